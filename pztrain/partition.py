@@ -1,0 +1,468 @@
+"""Split a model into named trainable arrays and the rest, and merge them back.
+
+A model of any supported family is split once, when the training state is built:
+
+* the **params**: a flat ``dict[str, jax.Array]`` of the trainable arrays, keyed by
+  parameter name;
+* the **rest** (``TrainState.model_without_params``): the model itself with a
+  `ParamSlot` in place of each trainable array. Frozen arrays, integer arrays and
+  static Python values stay in the rest.
+
+`merge` puts the arrays back into their slots. Because every family is reduced to
+"a pytree with slots", one merge serves all of them; only naming differs:
+
+======================  ===================================================
+family                  parameter names
+======================  ===================================================
+penzai v2               the ``pz.Parameter`` label (``"mlp/Affine_0/Linear.weights"``)
+penzai v1 (deprecated)  the ``pz.nn.Parameter`` name
+equinox, other pytrees  the key path, ``/``-separated (``"layers/0/weight"``)
+======================  ===================================================
+
+A parameter whose value holds one array (a plain array or a penzai
+``NamedArray``) is named by its label or name alone; one whose value is a pytree of
+several arrays gets one name per array: ``"<label>/<key path inside the value>"``.
+
+**Penzai v2 state variables** (``pz.StateVariable``, e.g. counters or running
+statistics) are not parameters. They are kept, frozen, inside the rest
+(``model_without_params``); the train step unfreezes them for the loss function
+and stores their new values back into ``model_without_params`` of the returned
+state, so their updates persist from step to step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from penzai.core import variables as pz_vars
+
+__all__ = [
+    "ApplyFnModel",
+    "ParamSlot",
+    "PartitionError",
+    "Trainable",
+    "family_of",
+    "freeze_state_vars",
+    "has_state_vars",
+    "merge",
+    "split",
+    "thaw_state_vars",
+    "to_user_model",
+]
+
+Trainable = Callable[[str, Any], bool] | str | None
+"""A trainable filter: ``None`` (every float array), a regex searched in each
+parameter name, or a predicate ``(name, value) -> bool``."""
+
+
+class PartitionError(ValueError):
+    """A model cannot be split into named parameters as asked."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """Marks where a trainable array was taken out of a model.
+
+    A slot is a pytree node with no children, so flattening a model without its
+    params yields only the arrays that stay behind.
+
+    Attributes:
+      name: The parameter name; the key of the array in ``TrainState.params``.
+    """
+
+    name: str
+
+
+jax.tree_util.register_static(ParamSlot)
+
+
+@dataclasses.dataclass(frozen=True)
+class ApplyFnModel:
+    """A Flax-style model: an ``apply_fn`` and its params, callable like a model.
+
+    ``ApplyFnModel(apply_fn, params)(*args, **kwargs)`` calls
+    ``apply_fn({"params": params}, *args, **kwargs)``, so a loss function written
+    as ``model(x)`` works for Flax-style states too. ``apply_fn`` is static;
+    ``params`` is the pytree child.
+
+    Attributes:
+      apply_fn: The function that applies the model, e.g. ``module.apply``.
+      params: The parameter pytree (``None`` in ``model_without_params``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> m = ApplyFnModel(lambda v, x: v["params"]["w"] * x, {"w": jnp.array(2.0)})
+      >>> m(3.0)
+      Array(6., dtype=float32, weak_type=True)
+    """
+
+    apply_fn: Callable[..., Any]
+    params: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.apply_fn({"params": self.params}, *args, **kwargs)
+
+
+jax.tree_util.register_dataclass(
+    ApplyFnModel, data_fields=["params"], meta_fields=["apply_fn"]
+)
+
+
+# ----------------------------------------------------------------------------
+# helpers
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray)
+
+
+def _is_inexact_array(x: Any) -> bool:
+    return _is_array(x) and np.issubdtype(x.dtype, np.inexact)
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _leaf_names(prefix: str, value: Any) -> list[tuple[str, Any]]:
+    """Names every leaf of a parameter value: the prefix alone for one array.
+
+    A penzai ``NamedArray`` holds one array, so its parameter keeps its label.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(value)[0]
+    if len(leaves) == 1:
+        return [(prefix, leaves[0][1])]
+    return [(f"{prefix}/{_path_name(path)}", leaf) for path, leaf in leaves]
+
+
+def _slot_tree(value: Any, names: list[str]) -> Any:
+    leaves, treedef = jax.tree.flatten(value)
+    return treedef.unflatten([ParamSlot(n) for n in names[: len(leaves)]])
+
+
+def _make_filter(trainable: Trainable) -> Callable[[str, Any], bool]:
+    if trainable is None:
+        return lambda name, value: True
+    if isinstance(trainable, str):
+        try:
+            pattern = re.compile(trainable)
+        except re.error as e:
+            raise PartitionError(
+                f"trainable={trainable!r} is not a valid regular expression: {e}"
+            ) from None
+        return lambda name, value: pattern.search(name) is not None
+    if callable(trainable):
+        return trainable
+    raise PartitionError(
+        "trainable must be None, a regex string searched in parameter names, or a "
+        f"predicate (name, value) -> bool; got {type(trainable).__name__}."
+    )
+
+
+def _check_hashable(path: tuple[Any, ...], leaf: Any) -> None:
+    if _is_array(leaf):
+        return
+    try:
+        hash(leaf)
+    except TypeError:
+        raise PartitionError(
+            f"Unsupported leaf at model{jax.tree_util.keystr(path)}: a "
+            f"{type(leaf).__name__} is neither an array nor hashable, so it can be "
+            "neither trained nor treated as static structure. Convert it to an "
+            "array, or mark the field static (penzai: "
+            "dataclasses.field(metadata={'pytree_node': False}); equinox: "
+            "eqx.field(static=True))."
+        ) from None
+
+
+def _check_unique(names: list[tuple[str, str]]) -> None:
+    """Raises on duplicate names; ``names`` holds (name, where) pairs."""
+    seen: dict[str, str] = {}
+    for name, where in names:
+        if name in seen:
+            raise PartitionError(
+                f"Duplicate parameter name {name!r} (at {seen[name]} and at "
+                f"{where}). Names key the params dict, checkpoints and optimizer "
+                "masks, so they must be unique: give the parameters distinct "
+                "names or labels."
+            )
+        seen[name] = where
+
+
+def _v1_module():
+    """The penzai v1 parameter module, if it was imported (else no v1 model)."""
+    return sys.modules.get("penzai.deprecated.v1.nn.parameters")
+
+
+def family_of(model: Any) -> str:
+    """Names the model family that `split` will use for ``model``.
+
+    Returns:
+      ``"flax"`` for an `ApplyFnModel`, ``"penzai_v2"`` when the model holds penzai
+      variables, ``"penzai_v1"`` when it holds penzai v1 parameters, and
+      ``"pytree"`` otherwise (equinox modules included).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> family_of({"w": jnp.zeros(3)})
+      'pytree'
+    """
+    if isinstance(model, ApplyFnModel):
+        return "flax"
+    v1 = _v1_module()
+    v1_types = () if v1 is None else (v1.Parameter, v1.UninitializedParameter)
+    var_types = (pz_vars.AbstractVariable, pz_vars.AbstractVariableValue)
+    found = "pytree"
+    for leaf in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, var_types)):
+        if isinstance(leaf, var_types):
+            return "penzai_v2"
+    if v1_types:
+        nodes = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, v1_types))
+        if any(isinstance(x, v1_types) for x in nodes):
+            found = "penzai_v1"
+    return found
+
+
+# ----------------------------------------------------------------------------
+# split
+
+
+def split(model: Any, trainable: Trainable = None) -> tuple[dict[str, Any], Any]:
+    """Splits ``model`` into named trainable arrays and the model without them.
+
+    Args:
+      model: A penzai v2 or v1 model, an equinox module, or any pytree.
+      trainable: Which parameters to train: ``None`` for all (penzai v2
+        parameters with ``metadata["trainable"] == False`` excepted), a regex
+        searched in each name, or a predicate ``(name, value) -> bool``. Arrays
+        left out stay in the rest and get no optimizer state.
+
+    Returns:
+      ``(params, rest)``: a flat ``dict`` name → array, and the model with a
+      `ParamSlot` at each trainable array.
+
+    Raises:
+      PartitionError: on duplicate names, an unsupported leaf, an uninitialized
+        penzai v1 parameter, or when no trainable parameter is left.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> params, rest = split({"w": jnp.ones(2), "n": jnp.arange(3)})
+      >>> list(params), rest["w"]
+      (['w'], ParamSlot(name='w'))
+      >>> merge(params, rest)["w"]
+      Array([1., 1.], dtype=float32)
+    """
+    keep = _make_filter(trainable)
+    family = family_of(model)
+    if family == "flax":
+        return model.params, dataclasses.replace(model, params=None)
+    if family == "penzai_v2":
+        params, rest = _split_penzai_v2(model, keep)
+    elif family == "penzai_v1":
+        params, rest = _split_penzai_v1(model, keep)
+    else:
+        params, rest = _split_pytree(model, keep)
+    if not params:
+        raise PartitionError(
+            f"The model ({type(model).__name__}, read as {family}) has no trainable "
+            f"parameters left after trainable={trainable!r}. Parameters are "
+            "floating-point arrays; check the filter or the model."
+        )
+    return params, rest
+
+
+def _split_pytree(model: Any, keep) -> tuple[dict[str, Any], Any]:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(model)
+    params: dict[str, Any] = {}
+    names: list[tuple[str, str]] = []
+    new_leaves = []
+    for path, leaf in leaves:
+        _check_hashable(path, leaf)
+        name = _path_name(path) or "root"
+        if _is_inexact_array(leaf) and keep(name, leaf):
+            names.append((name, f"model{jax.tree_util.keystr(path)}"))
+            params[name] = leaf
+            new_leaves.append(ParamSlot(name))
+        else:
+            new_leaves.append(leaf)
+    _check_unique(names)
+    return params, treedef.unflatten(new_leaves)
+
+
+def _split_penzai_v2(model: Any, keep) -> tuple[dict[str, Any], Any]:
+    try:
+        unbound, variables = pz_vars.unbind_variables(model, freeze=True)
+    except pz_vars.VariableConflictError as e:
+        raise PartitionError(
+            f"Duplicate parameter label in a penzai model: {e} Each pz.Parameter "
+            "needs a unique label (or the same Parameter object must be reused)."
+        ) from None
+    params: dict[str, Any] = {}
+    names: list[tuple[str, str]] = []
+    rebound = []
+    for var in variables:
+        if not isinstance(var, pz_vars.ParameterValue):
+            rebound.append(var)  # state variables stay frozen in the rest
+            continue
+        label = str(var.label)
+        leaf_names = _leaf_names(label, var.value)
+        chosen = [
+            (n, v)
+            for n, v in leaf_names
+            if _is_inexact_array(v)
+            and var.metadata.get("trainable", True)
+            and keep(n, v)
+        ]
+        if len(chosen) != len(leaf_names):
+            if chosen:
+                raise PartitionError(
+                    f"Parameter {label!r} would be split: the trainable filter "
+                    f"selects {[n for n, _ in chosen]} of "
+                    f"{[n for n, _ in leaf_names]}. Select all of a parameter's "
+                    "arrays or none."
+                )
+            rebound.append(var)
+            continue
+        for n, v in chosen:
+            names.append((n, f"parameter {label!r}"))
+            params[n] = v
+        rebound.append(
+            dataclasses.replace(
+                var, value=_slot_tree(var.value, [n for n, _ in leaf_names])
+            )
+        )
+    _check_unique(names)
+    rest = pz_vars.bind_variables(unbound, rebound)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(rest)[0]:
+        _check_hashable(path, leaf)
+    return params, rest
+
+
+def _split_penzai_v1(model: Any, keep) -> tuple[dict[str, Any], Any]:
+    v1 = _v1_module()
+    is_param = lambda x: isinstance(x, v1.Parameter | v1.UninitializedParameter)  # noqa: E731
+    params: dict[str, Any] = {}
+    names: list[tuple[str, str]] = []
+
+    def replace(path, node):
+        if not is_param(node):
+            _check_hashable(path, node)
+            return node
+        if isinstance(node, v1.UninitializedParameter):
+            raise PartitionError(
+                f"Parameter {node.name!r} at model{jax.tree_util.keystr(path)} is "
+                "uninitialized: call pz.nn.initialize_parameters(model, key) first."
+            )
+        leaf_names = _leaf_names(node.name, node.value)
+        if not all(_is_inexact_array(v) and keep(n, v) for n, v in leaf_names):
+            return node
+        for n, v in leaf_names:
+            names.append((n, f"model{jax.tree_util.keystr(path)}"))
+            params[n] = v
+        value = _slot_tree(node.value, [n for n, _ in leaf_names])
+        return dataclasses.replace(node, value=value)
+
+    rest = jax.tree_util.tree_map_with_path(replace, model, is_leaf=is_param)
+    _check_unique(names)
+    return params, rest
+
+
+# ----------------------------------------------------------------------------
+# merge
+
+
+def _is_slot(x: Any) -> bool:
+    return isinstance(x, ParamSlot)
+
+
+def merge(params: Mapping[str, Any] | Any, rest: Any) -> Any:
+    """Puts ``params`` back into the slots of ``rest``.
+
+    For penzai v2 the result holds frozen ``pz.ParameterValue`` s, as penzai's own
+    trainer passes to a loss function; `to_user_model` turns them back into
+    ``pz.Parameter`` variables.
+
+    Args:
+      params: The dict from `split` (or, for an `ApplyFnModel`, its params).
+      rest: The model without params from `split`.
+
+    Returns:
+      The model with every slot filled.
+
+    Raises:
+      PartitionError: if a slot's name is missing from ``params``.
+    """
+    if isinstance(rest, ApplyFnModel):
+        return dataclasses.replace(rest, params=params)
+
+    def fill(x):
+        if _is_slot(x):
+            try:
+                return params[x.name]
+            except KeyError:
+                raise PartitionError(
+                    f"Parameter {x.name!r} is missing from params (it has "
+                    f"{len(params)} entries). Keep every name that split() made."
+                ) from None
+        return x
+
+    return jax.tree.map(fill, rest, is_leaf=_is_slot)
+
+
+def _is_var_value(x: Any) -> bool:
+    return isinstance(x, pz_vars.AbstractVariableValue)
+
+
+def _thaw(tree: Any, is_value: Callable[[Any], bool]) -> Any:
+    """Unfreezes matching variable values; one new variable object per label."""
+    made: dict[Hashable, Any] = {}
+
+    def thaw(x):
+        if not is_value(x):
+            return x
+        slot = x.get_slot()
+        if slot not in made:
+            made[slot] = x.unfreeze_as_copy()
+        return made[slot]
+
+    return jax.tree.map(thaw, tree, is_leaf=is_value)
+
+
+def to_user_model(model: Any) -> Any:
+    """Turns frozen penzai v2 variable values back into mutable variables.
+
+    Each label becomes one new variable object, so shared parameters stay shared.
+    Models of other families are returned unchanged.
+    """
+    return _thaw(model, _is_var_value)
+
+
+def _is_state_value(x: Any) -> bool:
+    return isinstance(x, pz_vars.StateVariableValue)
+
+
+def has_state_vars(rest: Any) -> bool:
+    """Whether ``rest`` holds penzai v2 state variables (their updates persist)."""
+    return any(
+        _is_state_value(x) for x in jax.tree.leaves(rest, is_leaf=_is_state_value)
+    )
+
+
+def thaw_state_vars(rest: Any) -> Any:
+    """Replaces frozen state-variable values by mutable ``pz.StateVariable`` s."""
+    return _thaw(rest, _is_state_value)
+
+
+def freeze_state_vars(rest: Any) -> Any:
+    """The inverse of `thaw_state_vars`: freezes the (possibly updated) variables."""
+    is_var = lambda x: isinstance(x, pz_vars.StateVariable)  # noqa: E731
+    return jax.tree.map(
+        lambda x: x.freeze() if is_var(x) else x, rest, is_leaf=is_var
+    )

@@ -1,0 +1,450 @@
+"""`TrainState`: the immutable pytree that holds a training run."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from penzai import pz
+from penzai.core import struct as pz_struct
+
+from pztrain import partition
+
+__all__ = ["TrainState", "DonatedStateError"]
+
+
+class DonatedStateError(RuntimeError):
+    """A state whose arrays were donated to a train step was used again."""
+
+
+def _register(cls: type) -> None:
+    """Makes ``cls`` a frozen dataclass and a pytree with JAX's C++ flattening.
+
+    ``pz.pytree_dataclass`` flattens in Python (tens of µs per call on the hot
+    path); ``jax.tree_util.register_dataclass`` flattens in C++. The penzai marker
+    attribute lets ``pz.Struct``'s metaclass, treescope and ``.select()`` treat the
+    class as a normal penzai struct.
+    """
+    dataclasses.dataclass(frozen=True, repr=False)(cls)
+    fields = dataclasses.fields(cls)
+    jax.tree_util.register_dataclass(
+        cls,
+        data_fields=[f.name for f in fields if pz_struct.is_pytree_node_field(f)],
+        meta_fields=[f.name for f in fields if not pz_struct.is_pytree_node_field(f)],
+    )
+    setattr(
+        cls,
+        pz_struct.PYTREE_DATACLASS_INFO_ATTR,
+        {
+            "has_implicitly_inherited_fields": True,
+            "use_mutable_proxy_in_init": False,
+            "is_init_proxy": False,
+            "generated_init": cls.__init__,
+        },
+    )
+
+
+def _is_key(x: Any) -> bool:
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return x.shape == ()
+    return (
+        isinstance(x, jax.Array | np.ndarray)
+        and x.shape == (2,)
+        and x.dtype == np.uint32
+    )
+
+
+def _check_key(root_rng: Any) -> Any:
+    if not _is_key(root_rng):
+        got = getattr(root_rng, "dtype", type(root_rng).__name__)
+        shape = getattr(root_rng, "shape", "")
+        raise TypeError(
+            "root_rng must be a single PRNG key, jax.random.key(seed) or the legacy "
+            f"jax.random.PRNGKey(seed); got {got}{list(shape) if shape else ''}."
+        )
+    return root_rng
+
+
+def _owned_copy(tree: Any, avoid: set[int]) -> Any:
+    """Copies the arrays of ``tree`` that are in ``avoid`` (by id) or repeated.
+
+    The state owns its buffers, so that donating them in a train step cannot
+    delete the arrays of the model the user passed in, and no buffer is donated
+    twice (optax states such as ``lookahead`` alias the params).
+    """
+
+    def own(x):
+        if isinstance(x, np.ndarray | np.generic):
+            return jnp.asarray(x)
+        if isinstance(x, jax.Array):
+            if id(x) in avoid:
+                x = jnp.copy(x)
+            avoid.add(id(x))
+        return x
+
+    return jax.tree.map(own, tree)
+
+
+def _state_type_name(x: Any) -> str:
+    return type(x).__name__
+
+
+def _find_hyperparams(opt_state: Any) -> list[Any]:
+    kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+    is_inject = lambda x: isinstance(x, kinds)  # noqa: E731
+    return [x for x in jax.tree.leaves(opt_state, is_leaf=is_inject) if is_inject(x)]
+
+
+def _nbytes(tree: Any) -> tuple[int, int]:
+    arrays = [x for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")]
+    return sum(int(np.prod(x.shape)) for x in arrays), sum(x.nbytes for x in arrays)
+
+
+def _check_grads(grads: Any, params: Any) -> None:
+    g_def, p_def = jax.tree.structure(grads), jax.tree.structure(params)
+    if g_def == p_def:
+        return
+    if isinstance(grads, dict) and isinstance(params, dict):
+        missing = sorted(set(params) - set(grads))
+        extra = sorted(set(grads) - set(params))
+        raise ValueError(
+            "grads must have the structure of state.params: missing names "
+            f"{missing}, unexpected names {extra}."
+        )
+    raise ValueError(
+        f"grads must have the structure of state.params; got {g_def}, expected "
+        f"{p_def}."
+    )
+
+
+def optimizer_update(
+    optimizer_def: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any
+) -> tuple[Any, Any]:
+    """One optax update: ``(new_params, new_opt_state)``."""
+    updates, new_opt_state = optimizer_def.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_opt_state
+
+
+class TrainState(pz.Struct):
+    """Everything a training run carries, as one immutable pytree.
+
+    The trainable arrays and the rest of the model are kept apart, so the train
+    step moves only arrays across ``jax.jit`` and checkpoints can hold the params
+    alone. ``state.model`` merges them back when a full model is wanted.
+
+    Subclass it to carry more fields (``epoch``, ``batch_stats``, ``metrics``, …):
+    write the subclass plainly, without a decorator; it becomes a frozen
+    dataclass and a pytree. The train step and `apply_gradients` carry extra
+    fields through unchanged; `replace` updates them.
+
+    Attributes:
+      step: The number of optimizer steps taken, an int32 JAX scalar (never a
+        Python int, which would force a retrace per value).
+      root_rng: The base PRNG key; step ``s`` uses
+        ``jax.random.fold_in(root_rng, s)``.
+      params: The trainable arrays: a flat ``dict`` name → array for models given
+        to `initial_state` (names: see `pztrain.partition`), or the params pytree
+        given to `create`.
+      model_without_params: The model with a `pztrain.partition.ParamSlot` at each
+        trainable array; frozen arrays and penzai v2 state variables live here.
+      opt_state: The optax state of the trainable params.
+      loss_fn_state: State threaded through the loss function (``None`` if
+        unused).
+      optimizer_def: The optax transformation (static).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> model = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+      >>> state = TrainState.initial_state(model, optax.sgd(0.1), jax.random.key(0))
+      >>> sorted(state.params)
+      ['b', 'w']
+      >>> state = state.apply_gradients({"w": jnp.ones(3), "b": jnp.ones(())})
+      >>> int(state.step), state.model["w"].tolist()
+      (1, [-0.1, -0.1, -0.1])
+    """
+
+    step: jax.Array
+    root_rng: jax.Array
+    params: Any
+    model_without_params: Any
+    opt_state: Any
+    loss_fn_state: Any
+    optimizer_def: optax.GradientTransformation = dataclasses.field(
+        metadata={"pytree_node": False}
+    )
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _register(cls)
+
+    # ------------------------------------------------------------------ build
+
+    @classmethod
+    def initial_state(
+        cls,
+        model: Any,
+        optimizer_def: optax.GradientTransformation,
+        root_rng: jax.Array,
+        loss_fn_state: Any = None,
+        *,
+        trainable: partition.Trainable = None,
+        **extra_fields: Any,
+    ) -> TrainState:
+        """Builds the state at step 0 from a model.
+
+        The model is split once (see `pztrain.partition.split`); the optimizer is
+        initialised on the trainable params only. The state holds copies of the
+        model's arrays, so a train step that donates them leaves ``model`` intact.
+
+        Args:
+          model: A penzai v2 or v1 model, an equinox module, or any pytree.
+          optimizer_def: An optax transformation.
+          root_rng: ``jax.random.key(seed)`` or the legacy
+            ``jax.random.PRNGKey(seed)``.
+          loss_fn_state: Initial state for the loss function, if any.
+          trainable: Which arrays to train: ``None`` (all float arrays), a regex
+            searched in parameter names, or a predicate ``(name, value) -> bool``.
+          **extra_fields: Values for the fields a subclass adds.
+
+        Returns:
+          The initial state.
+
+        Raises:
+          TypeError: if ``optimizer_def`` is not an optax transformation or
+            ``root_rng`` is not a key.
+          pztrain.partition.PartitionError: if the model cannot be split.
+        """
+        _check_optimizer(optimizer_def)
+        _check_key(root_rng)
+        params, rest = partition.split(model, trainable)
+        return cls._from_parts(
+            params, rest, optimizer_def, root_rng, loss_fn_state, extra_fields
+        )
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        apply_fn: Callable[..., Any],
+        params: Any,
+        tx: optax.GradientTransformation,
+        root_rng: jax.Array | None = None,
+        loss_fn_state: Any = None,
+        **extra_fields: Any,
+    ) -> TrainState:
+        """Flax-style constructor: ``apply_fn`` + params + ``tx``.
+
+        Code written for Flax's ``TrainState`` (``state.apply_fn({"params": p},
+        x)``, ``state.apply_gradients(grads=g)``, ``state.tx``) runs unchanged.
+        ``state.model`` is an `pztrain.partition.ApplyFnModel`, so penzai-style
+        loss functions (``model(x)``) work with `pztrain.build_train_step` too.
+
+        Args:
+          apply_fn: The model's apply function, e.g. ``module.apply``.
+          params: The parameter pytree (Flax's ``variables["params"]``).
+          tx: An optax transformation.
+          root_rng: Base PRNG key; ``jax.random.key(0)`` when omitted.
+          loss_fn_state: Initial loss-function state, if any.
+          **extra_fields: Values for the fields a subclass adds.
+
+        Returns:
+          The state at step 0.
+
+        Example:
+          >>> import jax.numpy as jnp, optax
+          >>> state = TrainState.create(
+          ...     apply_fn=lambda v, x: v["params"]["w"] * x,
+          ...     params={"w": jnp.array(1.0)}, tx=optax.sgd(0.5))
+          >>> state.apply_fn({"params": state.params}, 2.0)
+          Array(2., dtype=float32, weak_type=True)
+        """
+        _check_optimizer(tx)
+        root_rng = jax.random.key(0) if root_rng is None else _check_key(root_rng)
+        rest = partition.ApplyFnModel(apply_fn, None)
+        return cls._from_parts(params, rest, tx, root_rng, loss_fn_state, extra_fields)
+
+    @classmethod
+    def _from_parts(cls, params, rest, optimizer_def, root_rng, lfs, extra):
+        owned: set[int] = set()
+        params = _owned_copy(params, owned)
+        opt_state = _owned_copy(optimizer_def.init(params), owned)
+        lfs = _owned_copy(lfs, owned)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - fields)
+        if unknown:
+            raise TypeError(
+                f"{cls.__name__} has no field(s) {unknown}; its fields are "
+                f"{sorted(fields)}. Subclass TrainState to add fields."
+            )
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            root_rng=root_rng,
+            params=params,
+            model_without_params=rest,
+            opt_state=opt_state,
+            loss_fn_state=lfs,
+            optimizer_def=optimizer_def,
+            **extra,
+        )
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def model(self) -> Any:
+        """The full model: params merged back into ``model_without_params``.
+
+        The result has the type of the model given to `initial_state`; for
+        penzai v2 it holds new ``pz.Parameter`` (and ``pz.StateVariable``)
+        objects with the current values.
+        """
+        self.check_not_donated("state.model")
+        return partition.to_user_model(
+            partition.merge(self.params, self.model_without_params)
+        )
+
+    @property
+    def tx(self) -> optax.GradientTransformation:
+        """Flax name for `optimizer_def`."""
+        return self.optimizer_def
+
+    @property
+    def apply_fn(self) -> Callable[..., Any]:
+        """The Flax-style apply function of a state built with `create`."""
+        rest = self.model_without_params
+        if not isinstance(rest, partition.ApplyFnModel):
+            raise AttributeError(
+                "apply_fn exists only on states built with TrainState.create("
+                "apply_fn=..., params=..., tx=...); this state holds a "
+                f"{type(rest).__name__} model: call state.model(...) instead."
+            )
+        return rest.apply_fn
+
+    @property
+    def hyperparams(self) -> dict[str, Any]:
+        """Hyperparameters that ``optax.inject_hyperparams`` put in `opt_state`.
+
+        They are found anywhere in the optimizer state (inside ``optax.chain``,
+        ``optax.masked``, ``optax.MultiSteps`` …) and merged into one dict.
+
+        Raises:
+          ValueError: if the optimizer has no injected hyperparameters, or two
+            injected transformations use the same name.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax
+          >>> tx = optax.chain(optax.clip_by_global_norm(1.0),
+          ...                  optax.inject_hyperparams(optax.adam)(learning_rate=3e-3))
+          >>> state = TrainState.initial_state({"w": jnp.zeros(2)}, tx,
+          ...                                  jax.random.key(0))
+          >>> float(state.hyperparams["learning_rate"])
+          0.003
+        """
+        found = _find_hyperparams(self.opt_state)
+        if not found:
+            raise ValueError(
+                "The optimizer state holds no injected hyperparameters. Wrap the "
+                "optimizer to read them, e.g. "
+                "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)."
+            )
+        merged: dict[str, Any] = {}
+        for inject_state in found:
+            for name, value in inject_state.hyperparams.items():
+                if name in merged:
+                    raise ValueError(
+                        f"Hyperparameter {name!r} is injected by more than one "
+                        "transformation; read each from its own optimizer state "
+                        "(state.opt_state[i].hyperparams)."
+                    )
+                merged[name] = value
+        return merged
+
+    def summary(self) -> str:
+        """A short text summary: step, parameter counts and bytes per part.
+
+        Reads the step from the device (one host sync).
+        """
+        rows = [
+            ("params", self.params),
+            ("model_without_params", self.model_without_params),
+            ("opt_state", self.opt_state),
+            ("loss_fn_state", self.loss_fn_state),
+        ]
+        n_tensors = len(jax.tree.leaves(self.params))
+        lines = [
+            f"{type(self).__name__} at step {int(self.step)}: {n_tensors} trainable "
+            f"arrays, optimizer {_state_type_name(self.opt_state)}"
+        ]
+        for name, tree in rows:
+            count, nbytes = _nbytes(tree)
+            lines.append(f"  {name:<21} {count:>14,} values {nbytes:>16,} bytes")
+        return "\n".join(lines)
+
+    # --------------------------------------------------------------- updates
+
+    def replace(self, **fields: Any) -> TrainState:
+        """Returns a copy with ``fields`` replaced (Flax's ``replace``).
+
+        Raises:
+          TypeError: naming an unknown field.
+        """
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(fields) - names)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} has no field(s) {unknown}; its fields are "
+                f"{sorted(names)}."
+            )
+        return dataclasses.replace(self, **fields)
+
+    def apply_gradients(self, grads: Any, **replacements: Any) -> TrainState:
+        """Applies one optimizer update and increments `step`.
+
+        Accepts ``grads`` positionally or as ``grads=`` (Flax). Extra fields are
+        carried through unchanged unless given in ``replacements``.
+
+        Args:
+          grads: Gradients with the structure of `params`.
+          **replacements: Other fields to replace at the same time.
+
+        Returns:
+          The updated state.
+
+        Raises:
+          ValueError: if ``grads`` does not match `params`, naming the missing
+            and unexpected names.
+        """
+        _check_grads(grads, self.params)
+        params, opt_state = optimizer_update(
+            self.optimizer_def, grads, self.opt_state, self.params
+        )
+        return self.replace(
+            step=self.step + 1, params=params, opt_state=opt_state, **replacements
+        )
+
+    def check_not_donated(self, where: str = "this state") -> None:
+        """Raises `DonatedStateError` if the params were donated to a step."""
+        for leaf in jax.tree.leaves(self.params):
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                raise DonatedStateError(
+                    f"{where}: the params of this TrainState were donated to a train "
+                    "step and no longer exist. Use the state that the step returned "
+                    "(state, aux = train_step(state, **batch)), or build the step "
+                    "with donate=False to keep old states usable."
+                )
+            return
+
+
+def _check_optimizer(optimizer_def: Any) -> None:
+    if not (hasattr(optimizer_def, "init") and hasattr(optimizer_def, "update")):
+        raise TypeError(
+            "optimizer_def must be an optax GradientTransformation (with init and "
+            f"update), e.g. optax.adam(1e-3); got {type(optimizer_def).__name__}."
+        )
+
+
+_register(TrainState)
