@@ -70,8 +70,8 @@ def _check_key(root_rng: Any) -> Any:
     return root_rng
 
 
-def _owned_copy(tree: Any, avoid: set[int]) -> Any:
-    """Copies the arrays of ``tree`` that are in ``avoid`` (by id) or repeated.
+def _owned_copy(tree: Any, avoid: set[int], always: bool = False) -> Any:
+    """Copies the arrays of ``tree`` (all, or those in ``avoid`` by id).
 
     The state owns its buffers, so that donating them in a train step cannot
     delete the arrays of the model the user passed in, and no buffer is donated
@@ -82,7 +82,7 @@ def _owned_copy(tree: Any, avoid: set[int]) -> Any:
         if isinstance(x, np.ndarray | np.generic):
             return jnp.asarray(x)
         if isinstance(x, jax.Array):
-            if id(x) in avoid:
+            if always or id(x) in avoid:
                 x = jnp.copy(x)
             avoid.add(id(x))
         return x
@@ -164,8 +164,8 @@ class TrainState(pz.Struct):
       >>> sorted(state.params)
       ['b', 'w']
       >>> state = state.apply_gradients({"w": jnp.ones(3), "b": jnp.ones(())})
-      >>> int(state.step), state.model["w"].tolist()
-      (1, [-0.1, -0.1, -0.1])
+      >>> int(state.step), state.model["w"]
+      (1, Array([-0.1, -0.1, -0.1], dtype=float32))
     """
 
     step: jax.Array
@@ -271,9 +271,9 @@ class TrainState(pz.Struct):
     @classmethod
     def _from_parts(cls, params, rest, optimizer_def, root_rng, lfs, extra):
         owned: set[int] = set()
-        params = _owned_copy(params, owned)
+        params = _owned_copy(params, owned, always=True)
         opt_state = _owned_copy(optimizer_def.init(params), owned)
-        lfs = _owned_copy(lfs, owned)
+        lfs = _owned_copy(lfs, owned, always=True)
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - fields)
         if unknown:
@@ -341,8 +341,8 @@ class TrainState(pz.Struct):
           ...                  optax.inject_hyperparams(optax.adam)(learning_rate=3e-3))
           >>> state = TrainState.initial_state({"w": jnp.zeros(2)}, tx,
           ...                                  jax.random.key(0))
-          >>> float(state.hyperparams["learning_rate"])
-          0.003
+          >>> state.hyperparams["learning_rate"]
+          Array(0.003, dtype=float32)
         """
         found = _find_hyperparams(self.opt_state)
         if not found:

@@ -175,11 +175,12 @@ def _check_batch(batch: dict[str, Any], steps_per_call: int) -> None:
 
 def _check_loss_output(out: Any, loss_fn_state: Any) -> tuple[Any, Any, Any]:
     if not isinstance(out, tuple) or len(out) != 3:
-        got = (
-            f"a tuple of length {len(out)}"
-            if isinstance(out, tuple)
-            else type(out).__name__
-        )
+        if isinstance(out, tuple):
+            got = f"a tuple of length {len(out)}"
+        elif hasattr(out, "shape"):
+            got = f"a {_leaf_desc(out)} array"
+        else:
+            got = type(out).__name__
         raise TypeError(
             "The loss function must return a 3-tuple (loss, new_state, aux); got "
             f"{got}. Return (loss, state, {{}}) if you have no state or aux."

@@ -1,0 +1,20 @@
+"""The examples run end to end on the bundled digits data (reduced size)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_functional_loop_learns_digits():
+    accuracy = _load("functional_loop").main(epochs=3)
+    assert accuracy > 0.85
