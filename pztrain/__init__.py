@@ -2,10 +2,22 @@
 
 The core is an immutable `TrainState` pytree and `build_train_step`, which turns a
 penzai-style loss function into a jitted ``(state, **batch) -> (state, aux)``
-step.
+step. `fit` runs the loop around them: data, on-device metrics, evaluation,
+callbacks and loggers.
 """
 
-from pztrain import partition
+from pztrain import callbacks, data, loggers, metrics, partition
+from pztrain.callbacks import (
+    Callback,
+    EarlyStopping,
+    LearningRateMonitor,
+    NanPolicy,
+    ProgressBar,
+    Stop,
+)
+from pztrain.data import ArrayLoader, BatchError
+from pztrain.loggers import JsonlLogger, TensorBoardLogger
+from pztrain.loop import History, LoopInfo, evaluate, fit
 from pztrain.partition import ApplyFnModel, ParamSlot, PartitionError
 from pztrain.state import DonatedStateError, TrainState
 from pztrain.step import (
@@ -22,16 +34,34 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ApplyFnModel",
+    "ArrayLoader",
+    "BatchError",
+    "Callback",
     "DonatedStateError",
+    "EarlyStopping",
     "EvalFunction",
     "EvalStep",
+    "History",
+    "JsonlLogger",
+    "LearningRateMonitor",
+    "LoopInfo",
     "LossFunction",
+    "NanPolicy",
     "ParamSlot",
     "PartitionError",
+    "ProgressBar",
     "StepOutputs",
+    "Stop",
+    "TensorBoardLogger",
     "TrainState",
     "TrainStep",
     "build_eval_step",
     "build_train_step",
+    "callbacks",
+    "data",
+    "evaluate",
+    "fit",
+    "loggers",
+    "metrics",
     "partition",
 ]

@@ -463,6 +463,4 @@ def thaw_state_vars(rest: Any) -> Any:
 def freeze_state_vars(rest: Any) -> Any:
     """The inverse of `thaw_state_vars`: freezes the (possibly updated) variables."""
     is_var = lambda x: isinstance(x, pz_vars.StateVariable)  # noqa: E731
-    return jax.tree.map(
-        lambda x: x.freeze() if is_var(x) else x, rest, is_leaf=is_var
-    )
+    return jax.tree.map(lambda x: x.freeze() if is_var(x) else x, rest, is_leaf=is_var)

@@ -117,8 +117,7 @@ def _check_grads(grads: Any, params: Any) -> None:
             f"{missing}, unexpected names {extra}."
         )
     raise ValueError(
-        f"grads must have the structure of state.params; got {g_def}, expected "
-        f"{p_def}."
+        f"grads must have the structure of state.params; got {g_def}, expected {p_def}."
     )
 
 

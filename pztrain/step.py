@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pztrain import partition
+from pztrain import metrics, partition
 from pztrain.state import DonatedStateError, TrainState, optimizer_update
 
 __all__ = [
@@ -240,33 +240,43 @@ def _grads(loss_fn, spec: _RestSpec, params, rest_dyn, lfs, rng, batch):
     return loss, new_lfs, aux, new_rest_dyn, grads
 
 
-def _train_step_fn(loss_fn, spec, optimizer_def, steps_per_call):
-    """The pure function that a `TrainStep` jits for one model structure."""
+def _train_step_fn(loss_fn, spec, optimizer_def, steps_per_call, accumulate=False):
+    """The pure function that a `TrainStep` jits for one model structure.
 
-    def one(step, root_rng, params, opt_state, lfs, rest_dyn, batch):
+    With ``accumulate``, it takes and returns `pztrain.metrics.MetricSums` in
+    place of returning ``aux``: the metrics of every step are summed on device.
+    """
+
+    def one(step, root_rng, params, opt_state, lfs, rest_dyn, acc, batch):
         rng = jax.random.fold_in(root_rng, step)
-        _, new_lfs, aux, new_rest_dyn, grads = _grads(
+        loss, new_lfs, aux, new_rest_dyn, grads = _grads(
             loss_fn, spec, params, rest_dyn, lfs, rng, batch
         )
         new_params, new_opt_state = optimizer_update(
             optimizer_def, grads, opt_state, params
         )
-        return step + 1, new_params, new_opt_state, new_lfs, new_rest_dyn, aux
+        if accumulate:
+            acc, aux = metrics.add(acc, loss, aux, step), None
+        new_dyn = new_rest_dyn if spec.stateful else None
+        return (step + 1, new_params, new_opt_state, new_lfs, new_dyn, acc), aux
 
-    def fn(step, root_rng, params, opt_state, lfs, rest_dyn, batch):
+    def fn(step, root_rng, params, opt_state, lfs, rest_dyn, acc, batch):
         _check_batch(batch, steps_per_call)
         if steps_per_call == 1:
-            return one(step, root_rng, params, opt_state, lfs, rest_dyn, batch)
+            return one(step, root_rng, params, opt_state, lfs, rest_dyn, acc, batch)
 
         def body(carry, batch_slice):
-            step, params, opt_state, lfs, dyn = carry
-            out = one(step, root_rng, params, opt_state, lfs, dyn, batch_slice)
-            new_dyn = out[4] if spec.stateful else dyn
-            return (*out[:4], new_dyn), out[5]
+            step, params, opt_state, lfs, dyn, acc = carry
+            out, aux = one(
+                step, root_rng, params, opt_state, lfs, dyn, acc, batch_slice
+            )
+            return (*out[:4], out[4] if spec.stateful else dyn, out[5]), aux
 
-        carry = (step, params, opt_state, lfs, rest_dyn)
-        (step, params, opt_state, lfs, dyn), aux = jax.lax.scan(body, carry, batch)
-        return step, params, opt_state, lfs, (dyn if spec.stateful else None), aux
+        carry = (step, params, opt_state, lfs, rest_dyn, acc)
+        carry, aux = jax.lax.scan(body, carry, batch)
+        if not spec.stateful:
+            carry = (*carry[:4], None, carry[5])
+        return carry, aux
 
     return fn
 
@@ -317,24 +327,31 @@ class TrainStep:
         self._state_shardings = state_shardings
         self._batch_shardings = batch_shardings
         self._cache = _RestCache(self._make)
+        self._acc_cache = _RestCache(self._make_accumulating)
         self._grads_cache = _RestCache(self._make_grads)
 
-    def _jit_kwargs(self, spec: _RestSpec) -> dict[str, Any]:
+    def _jit_kwargs(self, accumulate: bool) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
         if self.donate:
-            kwargs["donate_argnums"] = (2, 3, 4)
+            kwargs["donate_argnums"] = (2, 3, 4, 6) if accumulate else (2, 3, 4)
         sh = self._state_shardings
         if sh is not None or self._batch_shardings is not None:
             p = getattr(sh, "params", None)
             o = getattr(sh, "opt_state", None)
             f = getattr(sh, "loss_fn_state", None)
-            kwargs["in_shardings"] = (None, None, p, o, f, None, self._batch_shardings)
-            kwargs["out_shardings"] = (None, p, o, f, None, None)
+            b = self._batch_shardings
+            kwargs["in_shardings"] = (None, None, p, o, f, None, None, b)
+            kwargs["out_shardings"] = ((None, p, o, f, None, None), None)
         return kwargs
 
-    def _make(self, spec: _RestSpec, optimizer_def: Any) -> Callable[..., Any]:
-        fn = _train_step_fn(self.loss_fn, spec, optimizer_def, self.steps_per_call)
-        return jax.jit(fn, **self._jit_kwargs(spec)) if self.jit else fn
+    def _make(self, spec: _RestSpec, optimizer_def: Any, accumulate=False):
+        fn = _train_step_fn(
+            self.loss_fn, spec, optimizer_def, self.steps_per_call, accumulate
+        )
+        return jax.jit(fn, **self._jit_kwargs(accumulate)) if self.jit else fn
+
+    def _make_accumulating(self, spec: _RestSpec, optimizer_def: Any):
+        return self._make(spec, optimizer_def, accumulate=True)
 
     def _make_grads(self, spec: _RestSpec, optimizer_def: Any) -> Callable[..., Any]:
         del optimizer_def
@@ -362,22 +379,57 @@ class TrainStep:
           ``(new_state, aux)``; with ``steps_per_call=k`` the aux leaves are
           stacked along a leading axis ``k``.
         """
+        new_state, _, aux = self._run(self._cache, state, None, batch)
+        return new_state, aux
+
+    def accumulate(
+        self, state: TrainState, sums: metrics.MetricSums, **batch: Any
+    ) -> tuple[TrainState, metrics.MetricSums]:
+        """Like calling the step, but adds the metrics to on-device ``sums``.
+
+        The loss and every scalar leaf of ``aux`` are summed inside the same
+        jitted call (`pztrain.metrics`); nothing is read back to the host. Start
+        from `metric_sums`. ``sums`` is donated along with the state.
+        """
+        new_state, sums, _ = self._run(self._acc_cache, state, sums, batch)
+        return new_state, sums
+
+    def metric_sums(self, state: TrainState, **batch: Any) -> metrics.MetricSums:
+        """Zero sums for the metrics this step produces on ``batch``.
+
+        The metric names come from tracing the loss function once
+        (``jax.eval_shape``); nothing runs on the device.
+        """
         cache = self._cache
+        cache.lookup(state.model_without_params, state.optimizer_def)
+        if self.steps_per_call > 1:  # the metrics of one step, from one slice
+            batch = jax.tree.map(lambda x: x[0], batch)
+        fn = _train_step_fn(self.loss_fn, cache.spec, state.optimizer_def, 1)
+        _, aux = jax.eval_shape(fn, *self._args(cache, state, None, batch))
+        return metrics.zeros(metrics.metric_names(aux))
+
+    @staticmethod
+    def _args(cache, state, sums, batch):
+        return (
+            state.step,
+            state.root_rng,
+            state.params,
+            state.opt_state,
+            state.loss_fn_state,
+            cache.dynamic,
+            sums,
+            batch,
+        )
+
+    def _run(self, cache, state, sums, batch):
         rest = state.model_without_params
         cache.lookup(rest, state.optimizer_def)
         try:
-            step, params, opt_state, lfs, new_dyn, aux = cache.fn(
-                state.step,
-                state.root_rng,
-                state.params,
-                state.opt_state,
-                state.loss_fn_state,
-                cache.dynamic,
-                batch,
-            )
+            out, aux = cache.fn(*self._args(cache, state, sums, batch))
         except (RuntimeError, ValueError) as err:
             _donation_error(state, err)
             raise
+        step, params, opt_state, lfs, new_dyn, sums = out
         if new_dyn is not None:
             rest = cache.spec.build(new_dyn)
             cache.remember(rest, state.optimizer_def, new_dyn)
@@ -389,7 +441,7 @@ class TrainStep:
             loss_fn_state=lfs,
             model_without_params=rest,
         )
-        return new_state, aux
+        return new_state, sums, aux
 
     def compute_grads(self, state: TrainState, **batch: Any) -> StepOutputs:
         """Loss, new loss-function state, aux and grads for one batch; no update.
@@ -414,15 +466,7 @@ class TrainStep:
             raise ValueError("lower() needs a jitted step: build it with jit=True.")
         cache = self._cache
         cache.lookup(state.model_without_params, state.optimizer_def)
-        return cache.fn.lower(
-            state.step,
-            state.root_rng,
-            state.params,
-            state.opt_state,
-            state.loss_fn_state,
-            cache.dynamic,
-            batch,
-        )
+        return cache.fn.lower(*self._args(cache, state, None, batch))
 
 
 def build_train_step(
@@ -567,4 +611,3 @@ def build_eval_step(eval_fn: EvalFunction, *, jit: bool = True) -> EvalStep:
     if not callable(eval_fn):
         raise TypeError(f"eval_fn must be callable; got {type(eval_fn).__name__}.")
     return EvalStep(eval_fn, jit=jit)
-

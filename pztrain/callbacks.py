@@ -1,0 +1,302 @@
+"""Callbacks for `pztrain.fit`: a few optional hooks, and the built-ins.
+
+A callback subclasses `Callback` and overrides the hooks it needs. A hook may
+return ``None`` (nothing changes), a new `TrainState` (the loop continues with
+it), or `Stop` (the loop ends after this point, optionally with a new state).
+Hooks run only at log, eval and epoch points, where the host has already read
+the metrics: a callback adds no device sync of its own unless it asks for one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+if TYPE_CHECKING:
+    from pztrain.loop import History, LoopInfo
+    from pztrain.state import TrainState
+
+__all__ = [
+    "Callback",
+    "EarlyStopping",
+    "LearningRateMonitor",
+    "NanPolicy",
+    "ProgressBar",
+    "Stop",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Returned by a hook to end training.
+
+    Attributes:
+      reason: Why; recorded in ``History.stop_reason``.
+      state: A state to finish with (e.g. the best params), or ``None``.
+    """
+
+    reason: str
+    state: TrainState | None = None
+
+
+class Callback:
+    """Base class: every hook is optional and does nothing by default.
+
+    A record is a dict with ``step``, ``epoch``, ``split`` (``"train"`` or
+    ``"eval"``), ``time`` (seconds since the start) and ``metrics`` (name →
+    float). ``on_log`` may add entries to ``record["metrics"]`` before the
+    loggers see it.
+    """
+
+    def on_train_start(self, state: TrainState, info: LoopInfo) -> Any:
+        """Before the first step."""
+
+    def on_log(self, state: TrainState, record: dict[str, Any]) -> Any:
+        """At each train log point, with the metrics averaged since the last."""
+
+    def on_eval_end(self, state: TrainState, record: dict[str, Any]) -> Any:
+        """After each evaluation."""
+
+    def on_epoch_end(self, state: TrainState, epoch: int) -> Any:
+        """After the last step of each epoch (``epoch`` counts from 0)."""
+
+    def on_train_end(self, state: TrainState, history: History) -> Any:
+        """After the last step, whatever ended the run (exceptions included)."""
+
+
+def _split_monitor(monitor: str) -> tuple[str, str]:
+    split, _, name = monitor.partition("/")
+    return (split, name) if split == "eval" and name else ("train", monitor)
+
+
+def _metric(record: dict[str, Any], monitor: str) -> float | None:
+    """Reads ``monitor`` (``"loss"`` or ``"eval/loss"``) from a record of its split.
+
+    Raises:
+      KeyError: if the record is of the monitored split but lacks the metric.
+    """
+    split, name = _split_monitor(monitor)
+    if record["split"] != split:
+        return None
+    if name not in record["metrics"]:
+        raise KeyError(
+            f"Monitored metric {monitor!r} is not among the {split} metrics "
+            f"{sorted(record['metrics'])}; prefix eval metrics with 'eval/'."
+        )
+    return record["metrics"][name]
+
+
+class EarlyStopping(Callback):
+    """Stops when a monitored metric has not improved for ``patience`` checks.
+
+    Args:
+      monitor: ``"eval/<name>"`` for an eval metric, ``"<name>"`` for a train
+        metric (checked at every log point).
+      mode: ``"min"`` or ``"max"``.
+      patience: Checks without improvement before stopping.
+      min_delta: The least change that counts as an improvement.
+      restore_best: Finish with the params of the best check (kept as a copy on
+        device, so donation cannot delete them).
+
+    Attributes:
+      best: The best value seen.
+      best_step: The step it was seen at.
+      wait: Checks since the last improvement.
+
+    Example:
+      >>> stopper = EarlyStopping("eval/loss", patience=2)
+      >>> r = lambda step, loss: {"step": step, "split": "eval",
+      ...                         "metrics": {"loss": loss}}
+      >>> [stopper.on_eval_end(None, r(s, v)) for s, v in [(1, 1.0), (2, 1.1)]]
+      [None, None]
+      >>> stopper.on_eval_end(None, r(3, 1.2)).reason
+      'eval/loss did not improve on 1 (step 1) for 2 checks'
+    """
+
+    def __init__(
+        self,
+        monitor: str = "eval/loss",
+        *,
+        mode: str = "min",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        restore_best: bool = False,
+    ):
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max'; got {mode!r}.")
+        if patience < 1:
+            raise ValueError(f"patience must be >= 1; got {patience}.")
+        self.monitor, self.mode, self.patience = monitor, mode, patience
+        self.min_delta, self.restore_best = abs(min_delta), restore_best
+        self.best = math.inf if mode == "min" else -math.inf
+        self.best_step: int | None = None
+        self.wait = 0
+        self._best_params: Any = None
+
+    def _improved(self, value: float) -> bool:
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def _check(self, state: TrainState | None, record: dict[str, Any]) -> Any:
+        value = _metric(record, self.monitor)
+        if value is None:
+            return None
+        if self._improved(value):
+            self.best, self.best_step, self.wait = value, record["step"], 0
+            if self.restore_best and state is not None:
+                self._best_params = jax.tree.map(jnp.copy, state.params)
+            return None
+        self.wait += 1
+        if self.wait < self.patience:
+            return None
+        reason = (
+            f"{self.monitor} did not improve on {self.best:.6g} (step "
+            f"{self.best_step}) for {self.wait} checks"
+        )
+        if self.restore_best and self._best_params is not None and state is not None:
+            return Stop(reason, state.replace(params=self._best_params))
+        return Stop(reason)
+
+    def on_log(self, state, record):
+        return self._check(state, record)
+
+    def on_eval_end(self, state, record):
+        return self._check(state, record)
+
+    def on_train_start(self, state, info):
+        if _split_monitor(self.monitor)[0] == "eval" and not info.evaluates:
+            raise ValueError(
+                f"EarlyStopping monitors {self.monitor!r} but fit runs no "
+                "evaluation: pass eval_step and eval_data, or monitor a train "
+                "metric such as 'loss'."
+            )
+
+
+class LearningRateMonitor(Callback):
+    """Adds the learning rate to each train log record.
+
+    ``fit`` already logs hyperparameters injected with ``optax.inject_hyperparams``.
+    This callback covers a plain schedule: it evaluates ``schedule(step)`` on the
+    host at log points (no device work), and logs it as ``learning_rate``.
+
+    Args:
+      schedule: An optax schedule (``step -> lr``) or a constant.
+    """
+
+    def __init__(self, schedule: optax.Schedule | float):
+        self.schedule = schedule
+
+    def on_log(self, state, record):
+        lr = self.schedule(record["step"]) if callable(self.schedule) else self.schedule
+        record["metrics"]["learning_rate"] = float(lr)
+
+
+class NanPolicy(Callback):
+    """What to do about a NaN or infinite loss, checked without per-step syncs.
+
+    The train step counts non-finite losses on device; the loop reads the count
+    with the metrics at each log point.
+
+    Args:
+      mode: ``"stop"`` ends training at the next log point, naming the first
+        non-finite step. ``"skip"`` requires the optimizer to be wrapped in
+        ``optax.apply_if_finite``, which drops non-finite updates on device; the
+        number skipped is logged as ``skipped_updates``.
+    """
+
+    def __init__(self, mode: str = "stop"):
+        if mode not in ("stop", "skip"):
+            raise ValueError(f"mode must be 'stop' or 'skip'; got {mode!r}.")
+        self.mode = mode
+
+    def on_train_start(self, state, info):
+        if self.mode == "skip" and _apply_if_finite_state(state.opt_state) is None:
+            raise ValueError(
+                "NanPolicy('skip') needs the optimizer wrapped to skip non-finite "
+                "updates: optimizer_def=optax.apply_if_finite(tx, "
+                "max_consecutive_errors=10)."
+            )
+
+    def on_log(self, state, record):
+        if self.mode == "skip":
+            found = _apply_if_finite_state(state.opt_state)
+            record["metrics"]["skipped_updates"] = float(found.total_notfinite)
+            return None
+        first = record.get("first_nonfinite_step", -1)
+        if first >= 0:
+            return Stop(f"non-finite loss at step {first}")
+        return None
+
+
+def _apply_if_finite_state(opt_state: Any) -> Any:
+    kind = optax.ApplyIfFiniteState
+    is_kind = lambda x: isinstance(x, kind)  # noqa: E731
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_kind) if is_kind(x)]
+    return found[0] if found else None
+
+
+class ProgressBar(Callback):
+    """A tqdm progress bar (notebook-aware via ``tqdm.auto``).
+
+    It advances with each call of the step and shows the last logged metrics; it
+    reads nothing from the device.
+
+    Args:
+      metrics: Names to show (default: all train metrics).
+      make_bar: A tqdm-like factory (for tests); default ``tqdm.auto.tqdm``.
+    """
+
+    def __init__(
+        self,
+        metrics: tuple[str, ...] | None = None,
+        make_bar: Callable[..., Any] | None = None,
+    ):
+        self.metrics = metrics
+        self._make_bar = make_bar
+        self.bar: Any = None
+
+    def on_train_start(self, state, info):
+        make_bar = self._make_bar
+        if make_bar is None:
+            try:
+                from tqdm.auto import tqdm as make_bar
+            except ImportError:
+                raise ImportError(
+                    "The progress bar needs tqdm: pip install 'pztrain[progress]' "
+                    "(or pass progress=False to fit)."
+                ) from None
+        self.bar = make_bar(
+            total=info.end_step,
+            initial=info.start_step,
+            unit="step",
+            dynamic_ncols=True,
+        )
+
+    def advance(self, steps: int) -> None:
+        """Moves the bar by ``steps`` (called by the loop after each step call)."""
+        self.bar.update(steps)
+
+    def on_log(self, state, record):
+        shown = {
+            k: f"{v:.4g}"
+            for k, v in record["metrics"].items()
+            if self.metrics is None or k in self.metrics
+        }
+        self.bar.set_postfix(shown, refresh=False)
+
+    def on_eval_end(self, state, record):
+        self.bar.set_postfix(
+            {f"eval/{k}": f"{v:.4g}" for k, v in record["metrics"].items()},
+            refresh=False,
+        )
+
+    def on_train_end(self, state, history):
+        if self.bar is not None:
+            self.bar.close()

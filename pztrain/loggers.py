@@ -1,0 +1,127 @@
+"""Loggers for `pztrain.fit`: a protocol of three methods, and two built-ins.
+
+A logger receives records (see `pztrain.callbacks.Callback`) at log and eval
+points only, already on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["JsonlLogger", "Logger", "TensorBoardLogger", "read_jsonl"]
+
+
+@runtime_checkable
+class Logger(Protocol):
+    """What `pztrain.fit` calls on each logger."""
+
+    def log_hparams(self, hparams: dict[str, Any]) -> None:
+        """Records the run's hyperparameters (called once, at the start)."""
+
+    def log_record(self, record: dict[str, Any]) -> None:
+        """Records one log or eval point."""
+
+    def close(self) -> None:
+        """Flushes and releases files (called once, at the end)."""
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return repr(value)
+    return f if math.isfinite(f) else str(f)
+
+
+class JsonlLogger:
+    """Writes ``metrics.jsonl`` (one JSON object per record) and ``hparams.json``.
+
+    Appending is safe across resumed runs: records at or after ``resume_step``
+    are dropped from the file first, so a resumed run neither repeats nor skips a
+    step.
+
+    Args:
+      run_dir: The directory (created if missing).
+      resume_step: If given, keep only records with ``step < resume_step``.
+
+    Example:
+      >>> import tempfile
+      >>> d = tempfile.mkdtemp()
+      >>> log = JsonlLogger(d)
+      >>> log.log_record({"step": 1, "split": "train", "metrics": {"loss": 0.5}})
+      >>> log.close()
+      >>> read_jsonl(d)[0]["metrics"]
+      {'loss': 0.5}
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, *, resume_step: int | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            kept = [r for r in read_jsonl(self.run_dir) if r["step"] < resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._file = self.path.open("a")
+
+    def log_hparams(self, hparams: dict[str, Any]) -> None:
+        (self.run_dir / "hparams.json").write_text(
+            json.dumps(_jsonable(hparams), indent=2, sort_keys=True)
+        )
+
+    def log_record(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(_jsonable(record)) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_jsonl(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Reads the records a `JsonlLogger` wrote."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+class TensorBoardLogger:
+    """Writes TensorBoard event files with tensorboardX (optional extra).
+
+    Scalars are named ``<split>/<metric>``; hyperparameters are written once as
+    text (``hparams``), which TensorBoard shows without a plugin.
+
+    Args:
+      run_dir: The directory for the event files.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ImportError(
+                "TensorBoardLogger needs tensorboardX: pip install "
+                "'pztrain[tensorboard]'."
+            ) from None
+        self.run_dir = Path(run_dir)
+        self._writer = SummaryWriter(logdir=str(self.run_dir))
+
+    def log_hparams(self, hparams: dict[str, Any]) -> None:
+        text = json.dumps(_jsonable(hparams), indent=2, sort_keys=True)
+        self._writer.add_text("hparams", f"```\n{text}\n```", global_step=0)
+
+    def log_record(self, record: dict[str, Any]) -> None:
+        for name, value in record["metrics"].items():
+            self._writer.add_scalar(
+                f"{record['split']}/{name}", value, global_step=record["step"]
+            )
+
+    def close(self) -> None:
+        self._writer.close()
