@@ -141,11 +141,6 @@ def _leaf_names(prefix: str, value: Any) -> list[tuple[str, Any]]:
     return [(f"{prefix}/{_path_name(path)}", leaf) for path, leaf in leaves]
 
 
-def _slot_tree(value: Any, names: list[str]) -> Any:
-    leaves, treedef = jax.tree.flatten(value)
-    return treedef.unflatten([ParamSlot(n) for n in names[: len(leaves)]])
-
-
 def _make_filter(trainable: Trainable) -> Callable[[str, Any], bool]:
     if trainable is None:
         return lambda name, value: True
@@ -296,6 +291,28 @@ def _split_pytree(model: Any, keep) -> tuple[dict[str, Any], Any]:
     return params, treedef.unflatten(new_leaves)
 
 
+def _take_params(
+    prefix: str, value: Any, keep, params: dict[str, Any], where: str
+) -> tuple[Any, list[tuple[str, str]]]:
+    """Moves the selected float arrays of one parameter value into ``params``.
+
+    Selection is per array: a parameter whose value holds several arrays may
+    train some and freeze the rest. Returns the value with slots, and the names.
+    """
+    leaves, treedef = jax.tree.flatten(value)
+    named = _leaf_names(prefix, value)
+    taken = []
+    new_leaves = []
+    for leaf, (name, _) in zip(leaves, named, strict=True):
+        if _is_inexact_array(leaf) and keep(name, leaf):
+            params[name] = leaf
+            taken.append((name, where))
+            new_leaves.append(ParamSlot(name))
+        else:
+            new_leaves.append(leaf)
+    return treedef.unflatten(new_leaves), taken
+
+
 def _split_penzai_v2(model: Any, keep) -> tuple[dict[str, Any], Any]:
     try:
         unbound, variables = pz_vars.unbind_variables(model, freeze=True)
@@ -308,36 +325,16 @@ def _split_penzai_v2(model: Any, keep) -> tuple[dict[str, Any], Any]:
     names: list[tuple[str, str]] = []
     rebound = []
     for var in variables:
-        if not isinstance(var, pz_vars.ParameterValue):
-            rebound.append(var)  # state variables stay frozen in the rest
+        trainable = var.metadata.get("trainable", True)
+        if not isinstance(var, pz_vars.ParameterValue) or not trainable:
+            rebound.append(var)  # state variables and frozen params stay in rest
             continue
         label = str(var.label)
-        leaf_names = _leaf_names(label, var.value)
-        chosen = [
-            (n, v)
-            for n, v in leaf_names
-            if _is_inexact_array(v)
-            and var.metadata.get("trainable", True)
-            and keep(n, v)
-        ]
-        if len(chosen) != len(leaf_names):
-            if chosen:
-                raise PartitionError(
-                    f"Parameter {label!r} would be split: the trainable filter "
-                    f"selects {[n for n, _ in chosen]} of "
-                    f"{[n for n, _ in leaf_names]}. Select all of a parameter's "
-                    "arrays or none."
-                )
-            rebound.append(var)
-            continue
-        for n, v in chosen:
-            names.append((n, f"parameter {label!r}"))
-            params[n] = v
-        rebound.append(
-            dataclasses.replace(
-                var, value=_slot_tree(var.value, [n for n, _ in leaf_names])
-            )
+        value, taken = _take_params(
+            label, var.value, keep, params, f"parameter {label!r}"
         )
+        names += taken
+        rebound.append(dataclasses.replace(var, value=value))
     _check_unique(names)
     rest = pz_vars.bind_variables(unbound, rebound)
     for path, leaf in jax.tree_util.tree_flatten_with_path(rest)[0]:
@@ -355,18 +352,14 @@ def _split_penzai_v1(model: Any, keep) -> tuple[dict[str, Any], Any]:
         if not is_param(node):
             _check_hashable(path, node)
             return node
+        where = f"model{jax.tree_util.keystr(path)}"
         if isinstance(node, v1.UninitializedParameter):
             raise PartitionError(
-                f"Parameter {node.name!r} at model{jax.tree_util.keystr(path)} is "
-                "uninitialized: call pz.nn.initialize_parameters(model, key) first."
+                f"Parameter {node.name!r} at {where} is uninitialized: call "
+                "pz.nn.initialize_parameters(model, key) first."
             )
-        leaf_names = _leaf_names(node.name, node.value)
-        if not all(_is_inexact_array(v) and keep(n, v) for n, v in leaf_names):
-            return node
-        for n, v in leaf_names:
-            names.append((n, f"model{jax.tree_util.keystr(path)}"))
-            params[n] = v
-        value = _slot_tree(node.value, [n for n, _ in leaf_names])
+        value, taken = _take_params(node.name, node.value, keep, params, where)
+        names.extend(taken)
         return dataclasses.replace(node, value=value)
 
     rest = jax.tree_util.tree_map_with_path(replace, model, is_leaf=is_param)

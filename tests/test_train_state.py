@@ -396,3 +396,12 @@ def test_apply_fn_only_on_flax_style_states():
         AttributeError, match=re.escape("call state.model(...) instead")
     ):
         _ = state.apply_fn
+
+
+def test_mixed_parameter_trains_its_float_arrays_only():
+    param = pz.Parameter(value={"w": jnp.ones(2), "n": jnp.arange(2)}, label="L")
+    state = TrainState.initial_state([param], optax.sgd(0.1), jax.random.key(0))
+    assert list(state.params) == ["L/w"]
+    value = pz.unbind_params(state.model)[1][0].value
+    np.testing.assert_array_equal(value["n"], [0, 1])
+    np.testing.assert_array_equal(value["w"], [1.0, 1.0])
