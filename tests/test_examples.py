@@ -18,3 +18,11 @@ def _load(name: str):
 def test_functional_loop_learns_digits():
     accuracy = _load("functional_loop").main(epochs=3)
     assert accuracy > 0.85
+
+
+def test_digits_example_with_fit(tmp_path):
+    accuracy = _load("digits").main(
+        epochs=4, run_dir=str(tmp_path / "run"), progress=False
+    )
+    assert accuracy > 0.9
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"eval"') >= 4
