@@ -10,14 +10,16 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
     "ArrayLoader",
     "BatchError",
+    "IndexedBatches",
     "check_batch",
     "prefetch_to_device",
     "stack_batches",
@@ -83,6 +85,36 @@ def check_batch(batch: Any, expected_keys: Iterable[str] | None = None) -> int:
     return next(iter(sizes.values()))
 
 
+class IndexedBatches(NamedTuple):
+    """Many batches on device, taken by the train step at its own step.
+
+    The batch of step ``s`` is ``arrays[s - first_step]`` (``k`` consecutive ones
+    with ``steps_per_call=k``), sliced inside the jitted step: no per-step host
+    work, no per-step transfer. `ArrayLoader` with ``on_device=True`` makes one
+    per epoch.
+
+    Attributes:
+      arrays: Name → array with leading axes ``[num_batches, batch_size]``.
+      first_step: The step of ``arrays[0]`` (an int32 device scalar).
+    """
+
+    arrays: dict[str, jax.Array]
+    first_step: jax.Array
+
+    def take(self, step: jax.Array, count: int = 1) -> dict[str, jax.Array]:
+        """The batch of ``step`` (stacked ``count`` batches if ``count > 1``)."""
+        i = step - self.first_step
+        if count == 1:
+            take = lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)  # noqa: E731
+        else:
+            take = lambda a: jax.lax.dynamic_slice_in_dim(a, i, count, 0)  # noqa: E731
+        return jax.tree.map(take, self.arrays)
+
+    def first(self) -> dict[str, jax.Array]:
+        """One batch (the first), e.g. to learn the metric names."""
+        return jax.tree.map(lambda a: a[0], self.arrays)
+
+
 def stack_batches(batches: list[Mapping[str, Any]]) -> dict[str, Any]:
     """Stacks batches along a new leading axis (for ``steps_per_call > 1``)."""
     return jax.tree.map(lambda *xs: np.stack(xs), *batches)
@@ -98,6 +130,10 @@ class ArrayLoader:
       seed: The shuffling seed.
       drop_remainder: Drop the last partial batch of each epoch (the default:
         every batch then has one shape and the step compiles once).
+      on_device: Keep the arrays on the device and give `pztrain.fit` one
+        `IndexedBatches` per epoch (one gather per epoch), so that the step
+        slices its own batch: no per-step host work. For data that fits in
+        device memory; needs ``drop_remainder=True``.
 
     Raises:
       BatchError: if the arrays are not a dict of equally long arrays, or
@@ -122,6 +158,7 @@ class ArrayLoader:
         shuffle: bool = True,
         seed: int = 0,
         drop_remainder: bool = True,
+        on_device: bool = False,
     ):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise BatchError(f"batch_size must be an int >= 1; got {batch_size!r}.")
@@ -131,6 +168,13 @@ class ArrayLoader:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_remainder = drop_remainder
+        self.on_device = on_device
+        self._device_arrays: dict[str, jax.Array] | None = None
+        if on_device and not drop_remainder:
+            raise BatchError(
+                "on_device=True stacks an epoch's batches, so all must have one "
+                "shape: use drop_remainder=True."
+            )
         if drop_remainder and batch_size > self.num_examples:
             raise BatchError(
                 f"batch_size={batch_size} exceeds the {self.num_examples} examples; "
@@ -154,6 +198,18 @@ class ArrayLoader:
         epoch, index = divmod(step, self.steps_per_epoch)
         idx = self.order(epoch)[index * self.batch_size : (index + 1) * self.batch_size]
         return {k: v[idx] for k, v in self.arrays.items()}
+
+    def device_epoch(self, epoch: int) -> IndexedBatches:
+        """The batches of ``epoch`` on device, as `IndexedBatches`.
+
+        The arrays are moved to the device once; each call gathers one epoch.
+        """
+        if self._device_arrays is None:
+            self._device_arrays = jax.device_put(self.arrays)
+        n, bs = self.steps_per_epoch, self.batch_size
+        idx = jnp.asarray(self.order(epoch)[: n * bs].reshape(n, bs))
+        arrays = {k: jnp.take(v, idx, axis=0) for k, v in self._device_arrays.items()}
+        return IndexedBatches(arrays, jnp.asarray(epoch * n, jnp.int32))
 
     def epoch(self, epoch: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """The batches of one epoch (for evaluation: one pass over the data)."""

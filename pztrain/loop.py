@@ -24,6 +24,7 @@ from pztrain.callbacks import Callback, ProgressBar, Stop
 from pztrain.data import (
     ArrayLoader,
     BatchError,
+    IndexedBatches,
     check_batch,
     prefetch_to_device,
     stack_batches,
@@ -374,12 +375,14 @@ def fit(
         _log(loggers, history, rec)
         return stop
 
-    if loader is not None:
+    if loader is not None and loader.on_device:
+        source: Iterator[tuple[Any, bool]] = _device_batches(loader, start, k)
+    elif loader is not None:
         batches = loader.iter_from_step(start, k) if end > start else iter(())
-        source: Iterator[tuple[Any, bool]] = ((b, False) for b in batches)
+        source = ((b, False) for b in batches)
     else:
         source = _batches_from_iterable(train_data, k)
-    if prefetch:
+    if prefetch and not (loader is not None and loader.on_device):
         source = prefetch_to_device(source, prefetch, put=_put_pair)
 
     step, epoch = start, (start // per_epoch if per_epoch else 0)
@@ -409,9 +412,13 @@ def fit(
                 if num_epochs is not None and epoch >= num_epochs:
                     break
                 continue
+            if isinstance(batch, IndexedBatches):
+                args, kwargs = (batch,), {}
+            else:
+                args, kwargs = (), batch
             if sums is None:
-                sums = train_step.metric_sums(state, **batch)
-            state, sums = train_step.accumulate(state, sums, **batch)
+                sums = train_step.metric_sums(state, *args, **kwargs)
+            state, sums = train_step.accumulate(state, sums, *args, **kwargs)
             step += k
             if bar is not None:
                 bar.advance(k)
@@ -443,6 +450,26 @@ def fit(
             for lg in loggers:
                 lg.close()
     return state, history
+
+
+def _device_batches(
+    loader: ArrayLoader, start: int, k: int
+) -> Iterator[tuple[IndexedBatches, bool]]:
+    """One `IndexedBatches` per epoch, repeated for each call of that epoch."""
+    per_epoch = loader.steps_per_epoch
+    if per_epoch % k or start % k:
+        raise ValueError(
+            f"ArrayLoader(on_device=True) with steps_per_call={k} needs the steps "
+            f"per epoch ({per_epoch}) and the start step ({start}) to be multiples "
+            f"of {k}, so that no call spans two epochs."
+        )
+    step = start
+    while True:
+        epoch = step // per_epoch
+        batches = loader.device_epoch(epoch)
+        while step < (epoch + 1) * per_epoch:
+            yield batches, False
+            step += k
 
 
 def _put_pair(pair: tuple[Any, bool]) -> tuple[Any, bool]:

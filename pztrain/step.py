@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pztrain import metrics, partition
+from pztrain.data import IndexedBatches
 from pztrain.state import DonatedStateError, TrainState, optimizer_update
 
 __all__ = [
@@ -261,6 +262,8 @@ def _train_step_fn(loss_fn, spec, optimizer_def, steps_per_call, accumulate=Fals
         return (step + 1, new_params, new_opt_state, new_lfs, new_dyn, acc), aux
 
     def fn(step, root_rng, params, opt_state, lfs, rest_dyn, acc, batch):
+        if isinstance(batch, IndexedBatches):
+            batch = batch.take(step, steps_per_call)
         _check_batch(batch, steps_per_call)
         if steps_per_call == 1:
             return one(step, root_rng, params, opt_state, lfs, rest_dyn, acc, batch)
@@ -279,6 +282,18 @@ def _train_step_fn(loss_fn, spec, optimizer_def, steps_per_call, accumulate=Fals
         return carry, aux
 
     return fn
+
+
+def _batch_arg(batches: Any, batch: dict[str, Any]) -> Any:
+    if batches is None:
+        return batch
+    if batch or not isinstance(batches, IndexedBatches):
+        raise TypeError(
+            "Pass the batch as keyword arguments (train_step(state, x=..., y=...)) "
+            "or one pztrain.data.IndexedBatches positionally, not both; got "
+            f"{type(batches).__name__} and keys {sorted(batch)}."
+        )
+    return batches
 
 
 def _fast_replace(state: TrainState, **fields: Any) -> TrainState:
@@ -366,12 +381,16 @@ class TrainStep:
 
         return jax.jit(fn) if self.jit else fn
 
-    def __call__(self, state: TrainState, **batch: Any) -> tuple[TrainState, Any]:
+    def __call__(
+        self, state: TrainState, batches: IndexedBatches | None = None, /, **batch: Any
+    ) -> tuple[TrainState, Any]:
         """Runs ``steps_per_call`` optimizer steps on ``batch``.
 
         Args:
           state: The current state. With donation on, its arrays are consumed:
             keep using the returned state.
+          batches: Instead of ``**batch``: `pztrain.data.IndexedBatches` on
+            device, from which the step takes the batch of its own step.
           **batch: Batch arrays; with ``steps_per_call=k`` each has a leading
             axis ``k``.
 
@@ -379,11 +398,17 @@ class TrainStep:
           ``(new_state, aux)``; with ``steps_per_call=k`` the aux leaves are
           stacked along a leading axis ``k``.
         """
+        batch = _batch_arg(batches, batch)
         new_state, _, aux = self._run(self._cache, state, None, batch)
         return new_state, aux
 
     def accumulate(
-        self, state: TrainState, sums: metrics.MetricSums, **batch: Any
+        self,
+        state: TrainState,
+        sums: metrics.MetricSums,
+        batches: IndexedBatches | None = None,
+        /,
+        **batch: Any,
     ) -> tuple[TrainState, metrics.MetricSums]:
         """Like calling the step, but adds the metrics to on-device ``sums``.
 
@@ -391,10 +416,13 @@ class TrainStep:
         jitted call (`pztrain.metrics`); nothing is read back to the host. Start
         from `metric_sums`. ``sums`` is donated along with the state.
         """
+        batch = _batch_arg(batches, batch)
         new_state, sums, _ = self._run(self._acc_cache, state, sums, batch)
         return new_state, sums
 
-    def metric_sums(self, state: TrainState, **batch: Any) -> metrics.MetricSums:
+    def metric_sums(
+        self, state: TrainState, batches: IndexedBatches | None = None, /, **batch: Any
+    ) -> metrics.MetricSums:
         """Zero sums for the metrics this step produces on ``batch``.
 
         The metric names come from tracing the loss function once
@@ -402,7 +430,10 @@ class TrainStep:
         """
         cache = self._cache
         cache.lookup(state.model_without_params, state.optimizer_def)
-        if self.steps_per_call > 1:  # the metrics of one step, from one slice
+        batch = _batch_arg(batches, batch)
+        if isinstance(batch, IndexedBatches):
+            batch = batch.first()
+        elif self.steps_per_call > 1:  # the metrics of one step, from one slice
             batch = jax.tree.map(lambda x: x[0], batch)
         fn = _train_step_fn(self.loss_fn, cache.spec, state.optimizer_def, 1)
         _, aux = jax.eval_shape(fn, *self._args(cache, state, None, batch))

@@ -1,0 +1,79 @@
+"""ArrayLoader(on_device=True): the step takes its own batch on device."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pztrain
+
+
+def _data(n=48):
+    rng = np.random.default_rng(0)
+    return {
+        "x": rng.normal(size=(n, 3)).astype(np.float32),
+        "y": rng.normal(size=(n,)).astype(np.float32),
+    }
+
+
+def _loss(*, model, state, rng, x, y):
+    pred = x @ model["w"] + model["b"]
+    loss = jnp.mean((pred - y) ** 2)
+    return loss, state, {"loss": loss, "first_x": x[0, 0]}
+
+
+def _state():
+    params = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+    return pztrain.TrainState.initial_state(params, optax.sgd(0.05), jax.random.key(0))
+
+
+def test_device_epoch_matches_host_batches():
+    host = pztrain.ArrayLoader(_data(), 8, seed=3)
+    dev = pztrain.ArrayLoader(_data(), 8, seed=3, on_device=True)
+    for epoch in (0, 2):
+        batches = dev.device_epoch(epoch)
+        assert int(batches.first_step) == epoch * host.steps_per_epoch
+        for i, want in enumerate(host.epoch(epoch)):
+            got = batches.take(jnp.int32(epoch * host.steps_per_epoch + i))
+            np.testing.assert_array_equal(got["x"], want["x"])
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_fit_on_device_equals_fit_on_host(k):
+    step = pztrain.build_train_step(_loss, steps_per_call=k)
+    runs = []
+    for on_device in (False, True):
+        loader = pztrain.ArrayLoader(_data(), 8, seed=1, on_device=on_device)
+        state, history = pztrain.fit(
+            _state(), step, loader, num_steps=12, log_every=2 * k, progress=False
+        )
+        runs.append((state, history))
+    (a, ha), (b, hb) = runs
+    np.testing.assert_array_equal(a.params["w"], b.params["w"])
+    assert [r["metrics"] for r in ha.records] == [r["metrics"] for r in hb.records]
+
+
+def test_resume_mid_epoch_on_device_sees_the_same_batches():
+    step = pztrain.build_train_step(_loss)
+    loader = pztrain.ArrayLoader(_data(), 8, seed=2, on_device=True)
+    full, _ = pztrain.fit(_state(), step, loader, num_steps=10, progress=False)
+    half, _ = pztrain.fit(_state(), step, loader, num_steps=4, progress=False)
+    rest, _ = pztrain.fit(half, step, loader, num_steps=10, progress=False)
+    np.testing.assert_array_equal(full.params["w"], rest.params["w"])
+
+
+def test_on_device_errors():
+    with pytest.raises(pztrain.BatchError, match=re.escape("use drop_remainder=True")):
+        pztrain.ArrayLoader(_data(), 8, on_device=True, drop_remainder=False)
+    step = pztrain.build_train_step(_loss, steps_per_call=4)
+    loader = pztrain.ArrayLoader(_data(), 8, on_device=True)  # 6 steps per epoch
+    with pytest.raises(ValueError, match=re.escape("steps per epoch (6)")):
+        pztrain.fit(_state(), step, loader, num_steps=8, progress=False)
+    plain = pztrain.build_train_step(_loss)
+    with pytest.raises(TypeError, match="not both"):
+        plain(_state(), loader.device_epoch(0), x=np.zeros((8, 3)))
