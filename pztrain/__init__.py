@@ -6,7 +6,7 @@ step. `fit` runs the loop around them: data, on-device metrics, evaluation,
 callbacks and loggers.
 """
 
-from pztrain import callbacks, data, loggers, metrics, partition
+from pztrain import callbacks, checkpoint, data, loggers, metrics, partition
 from pztrain.callbacks import (
     Callback,
     EarlyStopping,
@@ -14,6 +14,17 @@ from pztrain.callbacks import (
     NanPolicy,
     ProgressBar,
     Stop,
+)
+from pztrain.checkpoint import (
+    CheckpointError,
+    Checkpoints,
+    export_safetensors,
+    import_safetensors,
+    load_params,
+    load_state,
+    read_metadata,
+    save_params,
+    save_state,
 )
 from pztrain.data import ArrayLoader, BatchError
 from pztrain.loggers import JsonlLogger, TensorBoardLogger
@@ -37,6 +48,8 @@ __all__ = [
     "ArrayLoader",
     "BatchError",
     "Callback",
+    "CheckpointError",
+    "Checkpoints",
     "DonatedStateError",
     "EarlyStopping",
     "EvalFunction",
@@ -58,10 +71,18 @@ __all__ = [
     "build_eval_step",
     "build_train_step",
     "callbacks",
+    "checkpoint",
     "data",
     "evaluate",
+    "export_safetensors",
     "fit",
+    "import_safetensors",
+    "load_params",
+    "load_state",
     "loggers",
     "metrics",
     "partition",
+    "read_metadata",
+    "save_params",
+    "save_state",
 ]

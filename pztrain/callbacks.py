@@ -170,6 +170,22 @@ class EarlyStopping(Callback):
     def on_eval_end(self, state, record):
         return self._check(state, record)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The counters, for checkpoints (JSON-able)."""
+        return {"best": self.best, "best_step": self.best_step, "wait": self.wait}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restores the counters saved by `state_dict` (on resume).
+
+        With ``restore_best``, the best params are not in the checkpoint: after a
+        resume they are those of the best check made since.
+        """
+        self.best, self.best_step, self.wait = (
+            saved["best"],
+            saved["best_step"],
+            saved["wait"],
+        )
+
     def on_train_start(self, state, info):
         if _split_monitor(self.monitor)[0] == "eval" and not info.evaluates:
             raise ValueError(

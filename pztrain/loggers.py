@@ -46,13 +46,13 @@ def _jsonable(value: Any) -> Any:
 class JsonlLogger:
     """Writes ``metrics.jsonl`` (one JSON object per record) and ``hparams.json``.
 
-    Appending is safe across resumed runs: records at or after ``resume_step``
-    are dropped from the file first, so a resumed run neither repeats nor skips a
-    step.
+    Appending is safe across resumed runs: records after ``resume_step`` (the
+    step the run resumes from) are dropped from the file first, so a resumed run
+    neither repeats nor skips a step.
 
     Args:
       run_dir: The directory (created if missing).
-      resume_step: If given, keep only records with ``step < resume_step``.
+      resume_step: If given, keep only records with ``step <= resume_step``.
 
     Example:
       >>> import tempfile
@@ -69,7 +69,7 @@ class JsonlLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
-            kept = [r for r in read_jsonl(self.run_dir) if r["step"] < resume_step]
+            kept = [r for r in read_jsonl(self.run_dir) if r["step"] <= resume_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._file = self.path.open("a")
 

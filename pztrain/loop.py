@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from pztrain import metrics
 from pztrain.callbacks import Callback, ProgressBar, Stop
+from pztrain.checkpoint import Checkpoints
 from pztrain.data import (
     ArrayLoader,
     BatchError,
@@ -54,6 +55,7 @@ class LoopInfo:
       log_every: Steps between log points.
       evaluates: Whether the run evaluates.
       run_dir: The run directory, or ``None``.
+      hparams: The hyperparameters given to `fit`.
     """
 
     start_step: int
@@ -63,6 +65,7 @@ class LoopInfo:
     log_every: int
     evaluates: bool
     run_dir: str | None
+    hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -243,6 +246,8 @@ def fit(
     hparams: dict[str, Any] | None = None,
     progress: bool = True,
     prefetch: int = 2,
+    checkpoints: Checkpoints | None = None,
+    resume: bool = False,
 ) -> tuple[TrainState, History]:
     """Trains ``state`` with ``train_step`` on ``train_data``.
 
@@ -271,6 +276,11 @@ def fit(
       progress: Show a `pztrain.callbacks.ProgressBar` (needs tqdm).
       prefetch: Batches moved to the device ahead of time in a background
         thread (0 turns it off).
+      checkpoints: A `pztrain.checkpoint.Checkpoints` that saves the state
+        during the run (and finishes its saves when the run ends).
+      resume: Continue from the newest complete checkpoint in ``checkpoints``,
+        if there is one: state, data position (from the step), log records
+        (JSONL records from that step on are replaced) and callback counters.
 
     Returns:
       ``(state, history)``.
@@ -288,6 +298,16 @@ def fit(
     if num_steps is not None and num_epochs is not None:
         raise ValueError("Pass num_steps or num_epochs, not both.")
 
+    if resume and checkpoints is None:
+        raise ValueError("resume=True needs checkpoints=Checkpoints(directory).")
+    callbacks = list(callbacks)
+    if checkpoints is not None:
+        checkpoints.peers = list(callbacks)
+        if resume:
+            state = checkpoints.restore_latest(state) or state
+        # Checkpoints run after the other callbacks and after the loggers, so a
+        # checkpoint at step s is taken once everything up to s is logged.
+        callbacks.append(checkpoints)
     with _host_reads():
         start = int(state.step)
     loader = train_data if isinstance(train_data, ArrayLoader) else None
@@ -304,7 +324,6 @@ def fit(
             f"The run covers {end - start} steps (from step {start} to {end}), not a "
             f"multiple of steps_per_call={k}; choose num_steps accordingly."
         )
-    callbacks = list(callbacks)
     bar = None
     if progress:
         bar = ProgressBar()
@@ -319,6 +338,7 @@ def fit(
         log_every=log_every,
         evaluates=eval_step is not None,
         run_dir=None if run_dir is None else str(run_dir),
+        hparams=dict(hparams or {}),
     )
     history = History()
     t0 = time.perf_counter()
@@ -333,10 +353,13 @@ def fit(
             "metrics": values,
         }
 
-    def run_hooks(hook: str, *args: Any) -> Stop | None:
+    def run_hooks(hook: str, *args: Any, late: bool = False) -> Stop | None:
+        """Runs ``hook`` of the callbacks (``late``: only of the checkpoints)."""
         nonlocal state
         stop = None
         for cb in callbacks:
+            if (cb is checkpoints) != late and hook in _LOGGED_HOOKS:
+                continue
             with _host_reads():
                 out = getattr(cb, hook)(state, *args)
             if isinstance(out, Stop):
@@ -366,6 +389,7 @@ def fit(
         sums = metrics.zeros(list(summary.means))
         stop = run_hooks("on_log", rec)
         _log(loggers, history, rec)
+        stop = run_hooks("on_log", rec, late=True) or stop
         return stop
 
     def evaluation(step: int, epoch: int) -> Stop | None:
@@ -373,6 +397,7 @@ def fit(
         rec = record("eval", step, epoch, values)
         stop = run_hooks("on_eval_end", rec)
         _log(loggers, history, rec)
+        stop = run_hooks("on_eval_end", rec, late=True) or stop
         return stop
 
     if loader is not None and loader.on_device:
@@ -475,6 +500,9 @@ def _device_batches(
 def _put_pair(pair: tuple[Any, bool]) -> tuple[Any, bool]:
     batch, boundary = pair
     return (None if batch is None else jax.device_put(batch)), boundary
+
+
+_LOGGED_HOOKS = ("on_log", "on_eval_end")
 
 
 def _log(loggers, history: History, rec: dict[str, Any]) -> None:
