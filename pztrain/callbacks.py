@@ -198,9 +198,11 @@ class EarlyStopping(Callback):
 class LearningRateMonitor(Callback):
     """Adds the learning rate to each train log record.
 
-    ``fit`` already logs hyperparameters injected with ``optax.inject_hyperparams``.
-    This callback covers a plain schedule: it evaluates ``schedule(step)`` on the
-    host at log points (no device work), and logs it as ``learning_rate``.
+    ``fit`` already logs a learning rate injected with ``optax.inject_hyperparams``.
+    This callback covers a plain schedule: it evaluates the schedule on the host at
+    log points (no device work) and logs it as ``learning_rate``. Like the injected
+    value, it is the rate the last update used: ``schedule(step - 1)`` after
+    ``step`` updates.
 
     Args:
       schedule: An optax schedule (``step -> lr``) or a constant.
@@ -210,7 +212,8 @@ class LearningRateMonitor(Callback):
         self.schedule = schedule
 
     def on_log(self, state, record):
-        lr = self.schedule(record["step"]) if callable(self.schedule) else self.schedule
+        last_update = max(record["step"] - 1, 0)
+        lr = self.schedule(last_update) if callable(self.schedule) else self.schedule
         record["metrics"]["learning_rate"] = float(lr)
 
 

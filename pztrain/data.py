@@ -237,6 +237,9 @@ class ArrayLoader:
                 "steps_per_call > 1 stacks batches, so all must have one shape: "
                 "use drop_remainder=True."
             )
+        return self._iter_from_step(step, steps_per_call)
+
+    def _iter_from_step(self, step: int, steps_per_call: int):
         per_epoch = self.steps_per_epoch
         epoch, index = divmod(step, per_epoch)
         order = self.order(epoch)

@@ -190,32 +190,42 @@ def evaluate(state: TrainState, eval_step: EvalStep, data: Iterable[Any]) -> dic
 # the loop
 
 
+def _groups(source: Iterator[Any], k: int) -> Iterator[Any]:
+    """Checked batches of one pass, stacked ``k`` at a time (a rest is dropped)."""
+    group: list[Any] = []
+    keys = None
+    for batch in source:
+        if keys is None:
+            check_batch(batch)
+            keys = set(batch)
+        elif set(batch) != keys:
+            check_batch(batch, keys)
+            raise BatchError(
+                f"Batch has unexpected key(s) {sorted(set(batch) - keys)}; "
+                f"the first batch had {sorted(keys)}."
+            )
+        group.append(batch)
+        if len(group) == k:
+            yield group[0] if k == 1 else stack_batches(group)
+            group = []
+
+
 def _batches_from_iterable(data: Iterable[Any], k: int) -> Iterator[tuple[Any, bool]]:
-    """Yields ``(batch, ends_epoch)``; re-iterable data restarts after each pass."""
+    """Yields ``(batch, ends_epoch)``; re-iterable data restarts after each pass.
+
+    Looking one batch ahead marks the last batch of each pass, so an epoch that
+    ends on the run's last step still ends.
+    """
     reiterable = iter(data) is not data
     while True:
-        source = iter(data)
-        group: list[Any] = []
-        keys = None
-        produced = False
-        for batch in source:
-            if keys is None:
-                check_batch(batch)
-                keys = set(batch)
-            elif set(batch) != keys:
-                check_batch(batch, keys)
-                raise BatchError(
-                    f"Batch has unexpected key(s) {sorted(set(batch) - keys)}; "
-                    f"the first batch had {sorted(keys)}."
-                )
-            group.append(batch)
-            if len(group) == k:
-                produced = True
-                yield (group[0] if k == 1 else stack_batches(group)), False
-                group = []
-        if not produced:
+        groups = _groups(iter(data), k)
+        previous = next(groups, None)
+        if previous is None:
             return
-        yield None, True  # an epoch boundary
+        for group in groups:
+            yield previous, False
+            previous = group
+        yield previous, True
         if not reiterable:
             return
 
@@ -324,10 +334,10 @@ def fit(
             f"The run covers {end - start} steps (from step {start} to {end}), not a "
             f"multiple of steps_per_call={k}; choose num_steps accordingly."
         )
-    bar = None
-    if progress:
-        bar = ProgressBar()
-        callbacks.insert(0, bar)
+    bars = [cb for cb in callbacks if isinstance(cb, ProgressBar)]
+    if progress and not bars:
+        bars = [ProgressBar()]
+        callbacks.insert(0, bars[0])
     if loggers is None:
         loggers = [JsonlLogger(run_dir, resume_step=start)] if run_dir else []
     info = LoopInfo(
@@ -414,29 +424,18 @@ def fit(
     sums = None
     last_log = last_eval = start
     try:
-        for lg in loggers:
-            lg.log_hparams(
-                {"steps_per_call": k, "log_every": log_every, **(hparams or {})}
-            )
+        with _host_reads():
+            for lg in loggers:
+                lg.log_hparams(
+                    {"steps_per_call": k, "log_every": log_every, **(hparams or {})}
+                )
         stop = run_hooks("on_train_start", info)
         while stop is None and step < end:
             try:
-                batch, boundary = next(source)
+                batch, ends_pass = next(source)
             except StopIteration:
                 history.stop_reason = "the training data ran out"
                 break
-            if boundary:  # the end of one pass over re-iterable data
-                if last_log != step:
-                    stop = log_point(step, epoch)
-                    last_log = step
-                stop = run_hooks("on_epoch_end", epoch) or stop
-                if eval_step is not None and eval_every is None:
-                    stop = evaluation(step, epoch) or stop
-                    last_eval = step
-                epoch += 1
-                if num_epochs is not None and epoch >= num_epochs:
-                    break
-                continue
             if isinstance(batch, IndexedBatches):
                 args, kwargs = (batch,), {}
             else:
@@ -445,12 +444,15 @@ def fit(
                 sums = train_step.metric_sums(state, *args, **kwargs)
             state, sums = train_step.accumulate(state, sums, *args, **kwargs)
             step += k
-            if bar is not None:
+            for bar in bars:
                 bar.advance(k)
             if step % log_every == 0 or step >= end:
                 stop = log_point(step, epoch) or stop
                 last_log = step
-            ended_epoch = per_epoch is not None and step // per_epoch > epoch
+            if per_epoch is not None:
+                ended_epoch = step // per_epoch > epoch
+            else:
+                ended_epoch = ends_pass  # the last batch of a pass over the data
             if ended_epoch:
                 stop = run_hooks("on_epoch_end", epoch) or stop
             if eval_step is not None and (
@@ -460,7 +462,9 @@ def fit(
                 stop = evaluation(step, epoch) or stop
                 last_eval = step
             if ended_epoch:
-                epoch = step // per_epoch
+                epoch = step // per_epoch if per_epoch is not None else epoch + 1
+                if num_epochs is not None and epoch >= num_epochs:
+                    break
         if last_log != step:  # steps not logged yet
             final = log_point(step, epoch)
             stop = stop or final
@@ -498,8 +502,8 @@ def _device_batches(
 
 
 def _put_pair(pair: tuple[Any, bool]) -> tuple[Any, bool]:
-    batch, boundary = pair
-    return (None if batch is None else jax.device_put(batch)), boundary
+    batch, ends_pass = pair
+    return jax.device_put(batch), ends_pass
 
 
 _LOGGED_HOOKS = ("on_log", "on_eval_end")
