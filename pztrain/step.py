@@ -284,6 +284,11 @@ def _train_step_fn(loss_fn, spec, optimizer_def, steps_per_call, accumulate=Fals
     return fn
 
 
+def _shapes_key(tree: Any) -> tuple[Any, ...]:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(x), str(getattr(x, "dtype", ""))) for x in leaves)
+
+
 def _batch_arg(batches: Any, batch: dict[str, Any]) -> Any:
     if batches is None:
         return batch
@@ -344,6 +349,7 @@ class TrainStep:
         self._cache = _RestCache(self._make)
         self._acc_cache = _RestCache(self._make_accumulating)
         self._grads_cache = _RestCache(self._make_grads)
+        self._metric_names: dict[Any, list[str]] = {}
 
     def _jit_kwargs(self, accumulate: bool) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
@@ -435,9 +441,13 @@ class TrainStep:
             batch = batch.first()
         elif self.steps_per_call > 1:  # the metrics of one step, from one slice
             batch = jax.tree.map(lambda x: x[0], batch)
-        fn = _train_step_fn(self.loss_fn, cache.spec, state.optimizer_def, 1)
-        _, aux = jax.eval_shape(fn, *self._args(cache, state, None, batch))
-        return metrics.zeros(metrics.metric_names(aux))
+        args = self._args(cache, state, None, batch)
+        key = (cache.spec, state.optimizer_def, _shapes_key(args))
+        if key not in self._metric_names:
+            fn = _train_step_fn(self.loss_fn, cache.spec, state.optimizer_def, 1)
+            _, aux = jax.eval_shape(fn, *args)
+            self._metric_names[key] = metrics.metric_names(aux)
+        return metrics.zeros(self._metric_names[key])
 
     @staticmethod
     def _args(cache, state, sums, batch):
