@@ -1,0 +1,1130 @@
+"""Train-step speed of pztrain against a hand-written ``jax.jit`` step and its peers.
+
+Run from the repository root::
+
+    python benchmarks/step_bench.py --quick            # < 2 minutes on 2 CPU cores
+    python benchmarks/step_bench.py --full --json out.json
+    python benchmarks/step_bench.py --full --workloads W0,W3 --impls raw,pztrain
+
+Every implementation trains the same model, from the same initial params, on the
+same batch, with ``optax.adam`` and softmax cross-entropy. All of them run in this
+one process. Trials are interleaved: each round runs every implementation once,
+in a shuffled order, with a baseline trial before and after each (B X B Y B …).
+A trial runs a fixed number of calls with no host sync between steps and blocks
+on the last output at its end. The speed of an implementation is the median over
+rounds of its steps/s divided by the mean steps/s of the two baseline trials
+around it (paired ratios).
+
+Besides speed it records the time of each implementation's first call (trace +
+compile + one step, with JAX's caches cleared before each sample) and, for the
+hand-written baselines and pztrain, the compiled step's ``memory_analysis()``:
+argument, output, aliased (donated) and temporary bytes, and whether the aliased
+bytes cover all params and optimizer-state bytes.
+
+``build_pztrain_fit`` is the hook for a ``pztrain.fit`` column: make it return a
+callable that runs N steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.metadata
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from penzai import pz
+
+LEARNING_RATE = 1e-3
+FUSED = 32  # steps per call of the fused (lax.scan) implementations
+SEED = 0
+
+
+# ----------------------------------------------------------------------------
+# workloads
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One model + batch size.
+
+    Attributes:
+      name: ``W0`` … ``W3``.
+      title: A one-line description for the tables.
+      batch: Examples (MLP) or sequences (transformer) per step.
+      sizes: MLP layer widths, input first; empty for the transformer.
+      blocks: Transformer blocks.
+      seq: Transformer sequence length.
+      vocab: Transformer vocabulary size.
+      embed: Transformer embedding width.
+    """
+
+    name: str
+    title: str
+    batch: int
+    sizes: tuple[int, ...] = ()
+    blocks: int = 0
+    seq: int = 0
+    vocab: int = 0
+    embed: int = 0
+
+    @property
+    def is_mlp(self) -> bool:
+        return bool(self.sizes)
+
+
+WORKLOADS = {
+    "W0": Workload("W0", "MLP 8-8-8-2, batch 8", batch=8, sizes=(8, 8, 8, 2)),
+    "W1": Workload(
+        "W1", "MLP 64-256-256-10, batch 128", batch=128, sizes=(64, 256, 256, 10)
+    ),
+    "W2": Workload(
+        "W2",
+        "MLP 784-2048-2048-10, batch 512",
+        batch=512,
+        sizes=(784, 2048, 2048, 10),
+    ),
+    "W3": Workload(
+        "W3",
+        "penzai v2 transformer, 4 blocks, seq 32, batch 8",
+        batch=8,
+        blocks=4,
+        seq=32,
+        vocab=128,
+        embed=32,
+    ),
+    "W3s": Workload(
+        "W3s",
+        "penzai v2 transformer, 1 block (quick stand-in for W3)",
+        batch=8,
+        blocks=1,
+        seq=32,
+        vocab=128,
+        embed=32,
+    ),
+}
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _copy(x: jax.Array) -> jax.Array:
+    """A fresh device buffer, so that donating it cannot delete anyone else's."""
+    return jnp.copy(x)
+
+
+class Problem:
+    """The shared data and initial params of one workload, in every model family.
+
+    Each ``*_model`` method returns a new model holding its own copies of the
+    same initial arrays, so an implementation that donates them harms no other.
+    """
+
+    def __init__(self, workload: Workload):
+        self.workload = workload
+        key_params, key_x, key_y = jax.random.split(jax.random.key(SEED), 3)
+        w = workload
+        if w.is_mlp:
+            self._mlp = []
+            keys = jax.random.split(key_params, len(w.sizes) - 1)
+            for k, n_in, n_out in zip(keys, w.sizes[:-1], w.sizes[1:], strict=True):
+                kw, kb = jax.random.split(k)
+                weight = jax.random.normal(kw, (n_in, n_out)) * np.sqrt(2.0 / n_in)
+                bias = 0.01 * jax.random.normal(kb, (n_out,))
+                self._mlp.append((weight, bias))
+            x = jax.random.normal(key_x, (w.batch, w.sizes[0]))
+            y = jax.random.randint(key_y, (w.batch,), 0, w.sizes[-1])
+        else:
+            tokens = jax.random.randint(key_x, (w.batch, w.seq + 1), 0, w.vocab)
+            x, y = tokens[:, :-1], tokens[:, 1:]
+        self.batch = {"x": x, "y": y}
+        self.stacked = {
+            k: jnp.broadcast_to(v, (FUSED, *v.shape)).copy()
+            for k, v in self.batch.items()
+        }
+
+    # --- the hand-written model: a flat dict of arrays + an apply function
+
+    def raw_model(self) -> tuple[dict[str, jax.Array], Callable[..., jax.Array]]:
+        """``(params, apply)`` with ``apply(params, x) -> logits``."""
+        if self.workload.is_mlp:
+            params = {}
+            for i, (weight, bias) in enumerate(self._mlp):
+                params[f"w{i}"], params[f"b{i}"] = _copy(weight), _copy(bias)
+            return params, _mlp_apply
+        # The transformer: params by penzai label; the structure closed over.
+        unbound, values = pz.unbind_params(self.penzai_v2_model(), freeze=True)
+        leaves, treedef = jax.tree.flatten(values)
+        if len(leaves) != len(values):
+            raise AssertionError("expected one array per penzai parameter")
+        labels = [v.label for v in values]
+
+        def apply(params, x):
+            bound = treedef.unflatten([params[label] for label in labels])
+            return penzai_v2_logits(pz.bind_variables(unbound, bound), x)
+
+        return dict(zip(labels, leaves, strict=True)), apply
+
+    # --- penzai v2
+
+    def penzai_v2_model(self) -> Any:
+        w = self.workload
+        if not w.is_mlp:
+            return _build_transformer(w)
+        from penzai.models import simple_mlp
+
+        model = simple_mlp.MLP.from_config(
+            name="mlp", init_base_rng=jax.random.key(SEED), feature_sizes=list(w.sizes)
+        )
+        for param in pz.unbind_params(model)[1]:
+            param.value = self._named_value(str(param.label), param.value)
+        return model
+
+    # --- penzai v1
+
+    def penzai_v1_model(self) -> Any:
+        from penzai.deprecated.v1 import pz as pz1
+        from penzai.deprecated.v1.example_models import simple_mlp as simple_mlp_v1
+
+        model = simple_mlp_v1.MLP.from_config(feature_sizes=list(self.workload.sizes))
+        model = pz1.nn.initialize_parameters(model, jax.random.key(SEED))
+        return (
+            pz1.select(model)
+            .at_instances_of(pz1.nn.Parameter)
+            .apply(
+                lambda p: dataclasses.replace(
+                    p, value=self._named_value(p.name, p.value)
+                )
+            )
+        )
+
+    def _named_value(self, name: str, named: Any) -> Any:
+        """``named`` (a penzai NamedArray) holding the shared array for ``name``."""
+        layer = int(re.search(r"Affine_(\d+)", name).group(1))
+        array = self._mlp[layer][0 if name.endswith("weights") else 1]
+        if named.data_array.shape != array.shape:
+            raise AssertionError(f"{name}: {named.data_array.shape} != {array.shape}")
+        return dataclasses.replace(named, data_array=_copy(array))
+
+    # --- Flax linen
+
+    def flax_model(self) -> tuple[Any, dict[str, Any]]:
+        """``(module, params)`` for a linen MLP."""
+        import flax.linen as nn
+
+        sizes = self.workload.sizes
+
+        class MLP(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                for i, width in enumerate(sizes[1:]):
+                    if i:
+                        x = nn.relu(x)
+                    x = nn.Dense(width)(x)
+                return x
+
+        module = MLP()
+        params = {
+            f"Dense_{i}": {"kernel": _copy(weight), "bias": _copy(bias)}
+            for i, (weight, bias) in enumerate(self._mlp)
+        }
+        x = self.batch["x"]
+        expected = jax.eval_shape(module.init, jax.random.key(0), x)["params"]
+        if jax.tree.structure(expected) != jax.tree.structure(params):
+            raise AssertionError("Flax param names changed")
+        return module, params
+
+    # --- equinox
+
+    def equinox_model(self) -> Any:
+        import equinox as eqx
+
+        sizes = self.workload.sizes
+        if len(set(sizes[1:-1])) != 1:
+            raise ValueError("eqx.nn.MLP needs equal hidden widths")
+        model = eqx.nn.MLP(
+            sizes[0], sizes[-1], sizes[1], len(sizes) - 2, key=jax.random.key(SEED)
+        )
+        weights = [_copy(w.T) for w, _ in self._mlp]
+        biases = [_copy(b) for _, b in self._mlp]
+        return eqx.tree_at(
+            lambda m: (
+                [layer.weight for layer in m.layers]
+                + [layer.bias for layer in m.layers]
+            ),
+            model,
+            weights + biases,
+        )
+
+
+def _mlp_apply(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    n_layers = len(params) // 2
+    for i in range(n_layers):
+        if i:
+            x = jax.nn.relu(x)
+        x = x @ params[f"w{i}"] + params[f"b{i}"]
+    return x
+
+
+def _build_transformer(w: Workload) -> Any:
+    from penzai.models.transformer.variants import llamalike_common
+
+    config = llamalike_common.LlamalikeTransformerConfig(
+        num_kv_heads=2,
+        query_head_multiplier=1,
+        embedding_dim=w.embed,
+        projection_dim=w.embed // 2,
+        mlp_hidden_dim=4 * w.embed,
+        num_decoder_blocks=w.blocks,
+        vocab_size=w.vocab,
+        mlp_variant="swiglu",
+        tie_embedder_and_logits=False,
+    )
+    return llamalike_common.build_llamalike_transformer(
+        config, init_base_rng=jax.random.key(SEED), name="transformer"
+    )
+
+
+def penzai_v2_logits(model: Any, x: jax.Array) -> jax.Array:
+    """Runs a penzai v2 MLP (``[batch, features]``) or transformer (tokens)."""
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        out = model(pz.nx.wrap(x).tag("batch", "seq"))
+        return out.unwrap("batch", "seq", "vocabulary")
+    out = model(pz.nx.wrap(x).tag("batch", "features"))
+    return out.unwrap("batch", "features")
+
+
+def _tree_nbytes(tree: Any) -> int:
+    return sum(int(x.nbytes) for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+
+
+# ----------------------------------------------------------------------------
+# implementations
+
+
+@dataclasses.dataclass
+class Runner:
+    """A ready-to-run training loop of one implementation on one workload.
+
+    Attributes:
+      run: ``run(n)`` makes ``n`` calls (``n * steps_per_call`` optimizer steps)
+        without syncing the host, keeps the new state for the next ``run`` and
+        returns the last call's loss; the caller blocks on it.
+      steps_per_call: Optimizer steps per call.
+      lower: Lowers the jitted step for the current state (for memory stats).
+      state_bytes: Bytes of params + optimizer state (+ loss state), all of which
+        donation should alias.
+    """
+
+    run: Callable[[int], Any]
+    steps_per_call: int = 1
+    lower: Callable[[], jax.stages.Lowered] | None = None
+    state_bytes: int | None = None
+
+
+def _loop(step: Callable[..., Any], carry: list[Any], batch: dict[str, Any]):
+    """``run(n)`` for a step ``(*carry, **batch) -> (*new_carry, loss)``."""
+
+    def run(n: int) -> Any:
+        c, loss = tuple(carry), None
+        for _ in range(n):
+            *c, loss = step(*c, **batch)
+        carry[:] = c
+        return loss
+
+    return run
+
+
+def build_raw(problem: Problem, fused: int = 1) -> Runner:
+    """The baseline: a hand-written jitted step with donation."""
+    params, apply = problem.raw_model()
+    tx = optax.adam(LEARNING_RATE)
+
+    def one(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: cross_entropy(apply(p, x), y))(
+            params
+        )
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def many(params, opt_state, x, y):
+        def body(carry, xy):
+            params, opt_state, loss = one(*carry, *xy)
+            return (params, opt_state), loss
+
+        (params, opt_state), losses = jax.lax.scan(body, (params, opt_state), (x, y))
+        return params, opt_state, losses
+
+    step = jax.jit(one if fused == 1 else many, donate_argnums=(0, 1))
+    carry = [params, tx.init(params)]
+    batch = problem.batch if fused == 1 else problem.stacked
+    return Runner(
+        _loop(step, carry, batch),
+        steps_per_call=fused,
+        lower=lambda: step.lower(*carry, **batch),
+        state_bytes=_tree_nbytes(carry),
+    )
+
+
+def build_flax(problem: Problem) -> Runner:
+    """Flax ``TrainState`` and a jitted step that donates it (the Flax docs' way)."""
+    from flax.training import train_state
+
+    module, params = problem.flax_model()
+    state = train_state.TrainState.create(
+        apply_fn=module.apply, params=params, tx=optax.adam(LEARNING_RATE)
+    )
+
+    def step(state, x, y):
+        def loss_of(params):
+            return cross_entropy(state.apply_fn({"params": params}, x), y)
+
+        loss, grads = jax.value_and_grad(loss_of)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return Runner(_loop(jax.jit(step, donate_argnums=0), [state], problem.batch))
+
+
+def _penzai_loss(logits_fn: Callable[[Any, jax.Array], jax.Array]):
+    """A loss function with penzai's contract (shared by v1, v2 and pztrain)."""
+
+    def loss_fn(*, model, state, rng, x, y):
+        del rng
+        loss = cross_entropy(logits_fn(model, x), y)
+        return loss, state, {"loss": loss}
+
+    return loss_fn
+
+
+def _penzai_v1_logits(model: Any, x: jax.Array) -> jax.Array:
+    from penzai.deprecated.v1 import pz as pz1
+
+    return model(pz1.nx.wrap(x).tag("batch", "features")).unwrap("batch", "features")
+
+
+def build_penzai_v1(problem: Problem) -> Runner:
+    """penzai v1 ``TrainState`` + ``build_train_step_fn`` with donation."""
+    from penzai.deprecated.v1.toolshed import basic_training
+
+    state = basic_training.TrainState.initial_state(
+        problem.penzai_v1_model(), optax.adam(LEARNING_RATE), jax.random.key(SEED)
+    )
+    step = basic_training.build_train_step_fn(
+        _penzai_loss(_penzai_v1_logits), donate_params_and_state=True
+    )
+    return Runner(_aux_loop(step, [state], problem.batch))
+
+
+def _aux_loop(step: Callable[..., Any], holder: list[Any], batch: dict[str, Any]):
+    """``run(n)`` for a step ``(state, **batch) -> (state, aux)``."""
+
+    def run(n: int) -> Any:
+        state, aux = holder[0], None
+        for _ in range(n):
+            state, aux = step(state, **batch)
+        holder[0] = state
+        return aux["loss"]
+
+    return run
+
+
+def build_penzai_v2(problem: Problem) -> Runner:
+    """penzai v2 ``StatefulTrainer`` with donation."""
+    from penzai.toolshed import basic_training
+
+    trainer = basic_training.StatefulTrainer.build(
+        root_rng=jax.random.key(SEED),
+        model=problem.penzai_v2_model(),
+        optimizer_def=optax.adam(LEARNING_RATE),
+        loss_fn=_penzai_loss(penzai_v2_logits),
+        donate_states=True,
+    )
+    batch = problem.batch
+
+    def run(n: int) -> Any:
+        aux = None
+        for _ in range(n):
+            aux = trainer.step(**batch)
+        return aux["loss"]
+
+    return Runner(run)
+
+
+def build_equinox(problem: Problem) -> Runner:
+    """An ``eqx.filter_jit`` step donating model and optimizer state."""
+    import equinox as eqx
+
+    model = problem.equinox_model()
+    tx = optax.adam(LEARNING_RATE)
+    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+
+    # The batch comes first so that "all-except-first" donates all but it.
+    @eqx.filter_jit(donate="all-except-first")
+    def step(batch, model, opt_state):
+        x, y = batch
+
+        def loss_of(model):
+            return cross_entropy(jax.vmap(model)(x), y)
+
+        loss, grads = eqx.filter_value_and_grad(loss_of)(model)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    batch = (problem.batch["x"], problem.batch["y"])
+    return Runner(_loop(lambda *c: step(batch, *c), [model, opt_state], {}))
+
+
+def build_pztrain(problem: Problem, family: str = "penzai_v2", fused: int = 1):
+    """pztrain ``TrainState.initial_state`` + ``build_train_step``."""
+    import pztrain
+
+    if family == "penzai_v2":
+        model, logits_fn = problem.penzai_v2_model(), penzai_v2_logits
+    else:
+        model, logits_fn = problem.raw_model()
+    state = pztrain.TrainState.initial_state(
+        model, optax.adam(LEARNING_RATE), jax.random.key(SEED)
+    )
+    step = pztrain.build_train_step(_penzai_loss(logits_fn), steps_per_call=fused)
+    batch = problem.batch if fused == 1 else problem.stacked
+    holder = [state]
+    return Runner(
+        _aux_loop(step, holder, batch),
+        steps_per_call=fused,
+        lower=lambda: step.lower(holder[0], **batch),
+        state_bytes=_tree_nbytes((state.params, state.opt_state, state.loss_fn_state)),
+    )
+
+
+# --- HOOK: pztrain.fit ------------------------------------------------------
+
+
+def build_pztrain_fit(problem: Problem) -> Callable[[int], Any] | None:
+    """HOOK for a ``pztrain.fit`` column; returns ``None`` until it is wired in.
+
+    Return a callable ``run(n)`` that trains ``n`` more steps with ``fit`` (same
+    model, loss, optimizer and batch as `build_pztrain`, with metrics, progress
+    and logging every 100 steps as the ANCHORS target asks), keeps its state for
+    the next call, and returns something to block on (e.g. the new state's
+    params). ``run(1)`` is timed as the first call.
+    """
+    del problem
+    return None
+
+
+def _build_fit_runner(problem: Problem) -> Runner:
+    run = build_pztrain_fit(problem)
+    if run is None:
+        raise NotImplementedError("pztrain.fit hook not wired in yet")
+    return Runner(run)
+
+
+# ----------------------------------------------------------------------------
+# the table of implementations
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    """An implementation: a column of the tables.
+
+    Attributes:
+      key: Its name on the command line and in JSON.
+      label: Its column header.
+      build: Makes a `Runner` for a problem.
+      mlp_only: Why it cannot run the transformer, if it cannot.
+    """
+
+    key: str
+    label: str
+    build: Callable[[Problem], Runner]
+    mlp_only: str = ""
+
+
+IMPLS = [
+    Impl("raw", "raw jit (baseline)", build_raw),
+    Impl("flax", "flax TrainState", build_flax, "no Flax version of the model"),
+    Impl(
+        "pz_v1",
+        "penzai v1 build_train_step_fn",
+        build_penzai_v1,
+        "no penzai v1 version of the model",
+    ),
+    Impl("pz_v2", "penzai v2 StatefulTrainer", build_penzai_v2),
+    Impl("equinox", "equinox filter_jit", build_equinox, "no equinox version"),
+    Impl("pztrain", "pztrain", build_pztrain),
+    Impl(
+        "pztrain_dict",
+        "pztrain, dict model",
+        lambda p: build_pztrain(p, family="dict"),
+    ),
+    Impl("pztrain_fit", "pztrain fit", _build_fit_runner),
+    Impl("raw_scan32", f"raw lax.scan ×{FUSED}", lambda p: build_raw(p, fused=FUSED)),
+    Impl(
+        "pztrain_32",
+        f"pztrain steps_per_call={FUSED}",
+        lambda p: build_pztrain(p, fused=FUSED),
+    ),
+]
+BASELINE = "raw"
+MEMORY_IMPLS = ("raw", "pztrain", "pztrain_dict", "raw_scan32", "pztrain_32")
+
+
+# ----------------------------------------------------------------------------
+# measuring
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How long to measure.
+
+    Attributes:
+      trials: Timing rounds (>= 5).
+      trial_seconds: Target length of one trial of one implementation (a
+        trial makes at least one call).
+      compile_samples: First-call samples per implementation, each taken after
+        ``jax.clear_caches()``; 0 takes the one sample from the timing build
+        (caches cleared only before the first implementation).
+      memory: Whether to record ``memory_analysis()`` of the compiled steps.
+    """
+
+    trials: int
+    trial_seconds: float
+    compile_samples: int
+    memory: bool = True
+
+
+QUICK = Settings(trials=5, trial_seconds=0.06, compile_samples=1)
+FULL = Settings(trials=21, trial_seconds=0.1, compile_samples=5)
+
+
+def _short(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(err).__name__}: {first[:160]}"
+
+
+def _first_loss(out: Any) -> float | None:
+    try:
+        return float(np.ravel(np.asarray(out))[0])
+    except (TypeError, ValueError, IndexError):
+        return None
+
+
+def _timed(runner: Runner, n: int) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = jax.block_until_ready(runner.run(n))
+    return time.perf_counter() - start, out
+
+
+def _memory(runner: Runner) -> dict[str, Any]:
+    stats = runner.lower().compile().memory_analysis()
+    fields = (
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+        "temp_size_in_bytes",
+        "generated_code_size_in_bytes",
+        "peak_memory_in_bytes",
+    )
+    out = {f: getattr(stats, f, None) for f in fields}
+    out["state_bytes"] = runner.state_bytes
+    alias = out["alias_size_in_bytes"]
+    out["all_state_donated"] = alias is not None and alias >= runner.state_bytes
+    return out
+
+
+_T0 = time.perf_counter()
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class FirstCall:
+    """One timed first call.
+
+    Attributes:
+      runner: The runner, ready for more calls.
+      seconds: Trace + lower + XLA compile + one call.
+      out: What the call returned (its loss).
+      lower_s: Trace + lower alone, for runners with ``lower``.
+      xla_s: XLA compile alone, for runners with ``lower``.
+    """
+
+    runner: Runner
+    seconds: float
+    out: Any
+    lower_s: float | None = None
+    xla_s: float | None = None
+
+
+def _first_call(
+    impl: Impl, problem: Problem, skipped: dict[str, str]
+) -> FirstCall | None:
+    """Builds ``impl``'s runner and times its first call; ``None`` if it fails.
+
+    Where the runner can lower its step, the first call is taken in stages
+    (``lower()``, ``compile()``, then the call, which finds the executable in
+    JAX's caches), so trace + lower and XLA compile are timed apart.
+    """
+    try:
+        runner = impl.build(problem)
+        start = time.perf_counter()
+        lower_s = xla_s = None
+        if runner.lower is not None:
+            lowered = runner.lower()
+            lower_s = time.perf_counter() - start
+            lowered.compile()
+            xla_s = time.perf_counter() - start - lower_s
+        out = jax.block_until_ready(runner.run(1))
+        elapsed = time.perf_counter() - start
+    except Exception as err:  # noqa: BLE001 - report it, don't crash
+        skipped[impl.key] = _short(err)
+        _log(f"  {problem.workload.name} {impl.key}: not run ({skipped[impl.key]})")
+        return None
+    return FirstCall(runner, elapsed, out, lower_s, xla_s)
+
+
+def measure_workload(
+    workload: Workload, impls: list[Impl], settings: Settings
+) -> dict[str, Any]:
+    """First-call times, memory stats and interleaved timing for one workload."""
+    problem = Problem(workload)
+    skipped = {i.key: i.mlp_only for i in impls if i.mlp_only and not workload.is_mlp}
+    active = [i for i in impls if i.key not in skipped]
+    first_s: dict[str, list[float]] = {i.key: [] for i in active}
+    stages: dict[str, list[tuple[float, float]]] = {i.key: [] for i in active}
+
+    # 1. First-call samples, each after jax.clear_caches(), in an order that
+    #    rotates between samples.
+    for sample in range(settings.compile_samples):
+        shift = sample % len(active)
+        for impl in active[shift:] + active[:shift]:
+            if impl.key in skipped:
+                continue
+            jax.clear_caches()
+            gc.collect()
+            got = _first_call(impl, problem, skipped)
+            if got:
+                first_s[impl.key].append(got.seconds)
+                if got.lower_s is not None:
+                    stages[impl.key].append((got.lower_s, got.xla_s))
+        _log(f"  {workload.name}: first-call sample {sample + 1} done")
+    active = [i for i in active if i.key not in skipped]
+
+    # 2. Build every runner once more (caches cleared once, before the first),
+    #    read its memory stats and size its trials to ~trial_seconds.
+    jax.clear_caches()
+    runners: dict[str, Runner] = {}
+    calls: dict[str, int] = {}
+    first_loss: dict[str, float | None] = {}
+    memory: dict[str, Any] = {}
+    for impl in active:
+        gc.collect()
+        got = _first_call(impl, problem, skipped)
+        if not got:
+            continue
+        runner = got.runner
+        if not settings.compile_samples:
+            first_s[impl.key].append(got.seconds)
+            if got.lower_s is not None:
+                stages[impl.key].append((got.lower_s, got.xla_s))
+        first_loss[impl.key] = _first_loss(got.out)
+        if settings.memory and impl.key in MEMORY_IMPLS and runner.lower:
+            try:
+                memory[impl.key] = _memory(runner)  # hits the compilation cache
+            except Exception as err:  # noqa: BLE001
+                memory[impl.key] = {"error": _short(err)}
+        n = 1
+        elapsed, _ = _timed(runner, n)
+        while elapsed < settings.trial_seconds / 3 and n < 1 << 16:
+            n *= 2
+            elapsed, _ = _timed(runner, n)
+        calls[impl.key] = max(1, round(settings.trial_seconds * n / elapsed))
+        runners[impl.key] = runner
+    _log(f"  {workload.name}: runners built and sized")
+
+    # 3. Interleaved trials. Each round runs every implementation once, in a
+    #    shuffled order, with a baseline trial before and after each one:
+    #    B X1 B X2 B … Xn B. An implementation's ratio for the round is its
+    #    steps/s over the mean of the two baseline trials around it.
+    rates: dict[str, list[float]] = {k: [] for k in runners}
+    ratios: dict[str, list[float]] = {k: [] for k in runners}
+    order = random.Random(SEED)
+    others = [k for k in runners if k != BASELINE]
+
+    def trial(key: str) -> float:
+        elapsed, _ = _timed(runners[key], calls[key])
+        rate = calls[key] * runners[key].steps_per_call / elapsed
+        rates[key].append(rate)
+        return rate
+
+    for rnd in range(settings.trials):
+        gc.collect()
+        order.shuffle(others)
+        if BASELINE in runners:
+            before = trial(BASELINE)
+            for key in others:
+                rate = trial(key)
+                after = trial(BASELINE)
+                ratios[key].append(rate / ((before + after) / 2))
+                before = after
+        else:
+            for key in others:
+                trial(key)
+        _log(f"  {workload.name}: round {rnd + 1}/{settings.trials} done")
+
+    results: dict[str, Any] = {}
+    for impl in impls:
+        key = impl.key
+        if key in skipped:
+            results[key] = {"skipped": skipped[key]}
+            continue
+        entry: dict[str, Any] = {
+            "steps_per_s": rates[key],
+            "median_steps_per_s": statistics.median(rates[key]),
+            "calls_per_trial": calls[key],
+            "steps_per_call": runners[key].steps_per_call,
+            "first_call_s": first_s[key],
+            "median_first_call_s": statistics.median(first_s[key]),
+            # trace + compile: the first call less one steady-state call
+            "compile_s": statistics.median(first_s[key])
+            - runners[key].steps_per_call / statistics.median(rates[key]),
+            "first_loss": first_loss.get(key),
+        }
+        if stages[key]:
+            entry["lower_s"] = statistics.median(x[0] for x in stages[key])
+            entry["xla_compile_s"] = statistics.median(x[1] for x in stages[key])
+        if key == BASELINE:
+            entry["median_ratio"] = 1.0
+        elif ratios[key]:
+            entry["ratios"] = ratios[key]
+            entry["median_ratio"] = statistics.median(ratios[key])
+        if key in memory:
+            entry["memory"] = memory[key]
+        results[key] = entry
+    return {"workload": dataclasses.asdict(workload), "results": results}
+
+
+# ----------------------------------------------------------------------------
+# reporting
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fmt_rate(r: float) -> str:
+    return f"{r:,.0f}" if r >= 100 else f"{r:.3g}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _columns(report: dict[str, Any], impls: list[Impl]) -> list[Impl]:
+    """Drops columns where no workload ran (their reasons go in the notes)."""
+    return [
+        i
+        for i in impls
+        if any("skipped" not in w["results"][i.key] for w in report["workloads"])
+    ]
+
+
+def render(report: dict[str, Any], impls: list[Impl]) -> str:
+    """The markdown tables of a report."""
+    cols = _columns(report, impls)
+    notes: dict[str, set[str]] = {}
+    for w in report["workloads"]:
+        for impl in impls:
+            reason = w["results"][impl.key].get("skipped")
+            if reason:
+                where = f"{w['workload']['name']} {impl.label}"
+                notes.setdefault(reason, set()).add(where)
+    out = []
+
+    speed_rows, abs_rows, compile_rows = [], [], []
+    for w in report["workloads"]:
+        name, res = w["workload"]["name"], w["results"]
+        title = f"{name} {WORKLOADS[name].title}" if name in WORKLOADS else name
+        speed, absolute, comp = [title], [title], [title]
+        base_c = res.get(BASELINE, {}).get("compile_s")
+        for impl in cols:
+            r = res[impl.key]
+            if "skipped" in r:
+                speed.append("–")
+                absolute.append("–")
+                comp.append("–")
+                continue
+            rate = r["median_steps_per_s"]
+            if impl.key == BASELINE:
+                speed.append(f"1.00 ({_fmt_rate(rate)} steps/s)")
+            else:
+                speed.append(f"{r['median_ratio']:.2f}" if "median_ratio" in r else "?")
+            spread = r.get("ratios", [])
+            if len(spread) >= 4:
+                lo, _, hi = statistics.quantiles(spread, n=4)
+                absolute.append(f"{_fmt_rate(rate)} [{lo:.2f}–{hi:.2f}]")
+            else:
+                absolute.append(_fmt_rate(rate))
+            c = r["compile_s"]
+            ratio = f" ({c / base_c:.2f}×)" if base_c and impl.key != BASELINE else ""
+            comp.append(f"{c:.2f}{ratio}")
+        speed_rows.append(speed)
+        abs_rows.append(absolute)
+        compile_rows.append(comp)
+
+    header = ["workload"] + [i.label for i in cols]
+    out.append(
+        "### Steps/s relative to the raw jit baseline (median of paired ratios)\n"
+    )
+    out.append(_table(header, speed_rows))
+    out.append("\n### Absolute steps/s (median) [quartiles of the paired ratios]\n")
+    out.append(_table(header, abs_rows))
+    out.append(
+        "\n### Trace + compile, seconds: median first call less one steady call "
+        "(× baseline)\n"
+    )
+    out.append(_table(header, compile_rows))
+
+    staged = [
+        i
+        for i in impls
+        if any("lower_s" in w["results"][i.key] for w in report["workloads"])
+    ]
+    if staged:
+        rows = []
+        for w in report["workloads"]:
+            row = [w["workload"]["name"]]
+            for impl in staged:
+                r = w["results"][impl.key]
+                row.append(
+                    f"{r['lower_s']:.3f} + {r['xla_compile_s']:.3f}"
+                    if "lower_s" in r
+                    else "–"
+                )
+            rows.append(row)
+        out.append(
+            "\n### The same, in stages: trace + lower, then XLA compile (seconds, "
+            "median)\n"
+        )
+        out.append(_table(["workload"] + [i.label for i in staged], rows))
+
+    mem_rows = []
+    for w in report["workloads"]:
+        name = w["workload"]["name"]
+        for impl in impls:
+            mem = w["results"][impl.key].get("memory")
+            if not mem:
+                continue
+            if "error" in mem:
+                mem_rows.append([name, impl.label] + ["?"] * 6 + [mem["error"]])
+                continue
+            mem_rows.append(
+                [
+                    name,
+                    impl.label,
+                    _fmt_bytes(mem["argument_size_in_bytes"]),
+                    _fmt_bytes(mem["output_size_in_bytes"]),
+                    _fmt_bytes(mem["alias_size_in_bytes"]),
+                    _fmt_bytes(mem["temp_size_in_bytes"]),
+                    _fmt_bytes(mem["state_bytes"]),
+                    "yes" if mem["all_state_donated"] else "**no**",
+                    "",
+                ]
+            )
+    if mem_rows:
+        out.append("\n### Compiled step memory (`memory_analysis()`)\n")
+        out.append(
+            _table(
+                [
+                    "workload",
+                    "implementation",
+                    "arguments",
+                    "outputs",
+                    "aliased (donated)",
+                    "temp",
+                    "params + opt state",
+                    "all donated",
+                    "note",
+                ],
+                mem_rows,
+            )
+        )
+
+    losses = []
+    for w in report["workloads"]:
+        res = w["workload"]["name"], w["results"]
+        vals = {
+            k: v["first_loss"]
+            for k, v in res[1].items()
+            if v.get("first_loss") is not None
+        }
+        if vals:
+            spread = max(vals.values()) - min(vals.values())
+            losses.append(f"{res[0]}: {spread:.1e} over {len(vals)} implementations")
+    if losses:
+        out.append(
+            "\nSame start, same data: spread of the step-0 loss — " + "; ".join(losses)
+        )
+    if notes:
+        out.append("\n– means not run:")
+        for reason, where in sorted(notes.items()):
+            out.append(f"- {', '.join(sorted(where))}: {reason}")
+    return "\n".join(out)
+
+
+TARGETS = [
+    # (implementation, workload, minimum ratio to the baseline)
+    ("pztrain", "W0", 0.95),
+    ("pztrain", "W1", 0.98),
+    ("pztrain", "W2", 0.98),
+    ("pztrain", "W3", 0.95),
+    ("pztrain_32", "W0", 6.0),
+    ("pztrain_32", "W3", 1.4),
+]
+
+
+def check_targets(report: dict[str, Any]) -> list[str]:
+    """One line per pztrain target that this run measured."""
+    by_name = {w["workload"]["name"]: w["results"] for w in report["workloads"]}
+    lines = []
+    for key, wname, minimum in TARGETS:
+        r = by_name.get(wname, {}).get(key, {})
+        if "median_ratio" in r:
+            ok = r["median_ratio"] >= minimum
+            lines.append(
+                f"- {key} on {wname}: {r['median_ratio']:.2f}× (target ≥ {minimum}) "
+                + ("met" if ok else "**missed**")
+            )
+    for wname, res in by_name.items():
+        for key, ref in (("pztrain", BASELINE), ("pztrain_32", "raw_scan32")):
+            base = res.get(ref, {}).get("compile_s")
+            c = res.get(key, {}).get("compile_s")
+            if base and c:
+                ok = c <= 1.1 * base
+                lines.append(
+                    f"- {key} trace + compile on {wname}: {c / base:.2f}× {ref} "
+                    "(target ≤ 1.1) " + ("met" if ok else "**missed**")
+                )
+    return lines
+
+
+def environment() -> dict[str, Any]:
+    versions = {}
+    for dist in ("jax", "jaxlib", "penzai", "optax", "flax", "equinox", "numpy"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "devices": [str(d) for d in jax.devices()],
+        "load_average_at_start": os.getloadavg(),
+        "versions": versions,
+    }
+
+
+def _warm_up() -> None:
+    """Pays JAX's and penzai's one-off start-up costs before anything is timed."""
+    f = jax.jit(lambda a: jnp.tanh(a @ a).sum())
+    jax.block_until_ready(f(jnp.ones((4, 4))))
+    jax.block_until_ready(pz.nx.wrap(jnp.ones(3)).tag("a").unwrap("a"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="W0, W1, W3s (default)")
+    mode.add_argument("--full", action="store_true", help="W0–W3, longer trials")
+    parser.add_argument("--workloads", help="comma-separated, e.g. W0,W3")
+    parser.add_argument(
+        "--impls",
+        help="comma-separated implementation keys (the baseline is always added): "
+        + ",".join(i.key for i in IMPLS),
+    )
+    parser.add_argument("--trials", type=int, help="override the number of trials")
+    parser.add_argument("--json", help="write all samples to this file")
+    args = parser.parse_args(argv)
+
+    settings = FULL if args.full else QUICK
+    if args.trials:
+        settings = dataclasses.replace(settings, trials=max(5, args.trials))
+    names = (
+        args.workloads.split(",")
+        if args.workloads
+        else (["W0", "W1", "W2", "W3"] if args.full else ["W0", "W1", "W3s"])
+    )
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
+    impls = IMPLS
+    if args.impls:
+        wanted = set(args.impls.split(",")) | {BASELINE}
+        bad = wanted - {i.key for i in IMPLS}
+        if bad:
+            parser.error(f"unknown implementations {sorted(bad)}")
+        impls = [i for i in IMPLS if i.key in wanted]
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    start = time.perf_counter()
+    _warm_up()
+    report: dict[str, Any] = {
+        "mode": "full" if args.full else "quick",
+        "settings": dataclasses.asdict(settings),
+        "environment": environment(),
+        "workloads": [],
+    }
+    for name in names:
+        _log(f"{name}: {WORKLOADS[name].title}")
+        report["workloads"].append(measure_workload(WORKLOADS[name], impls, settings))
+    report["seconds"] = time.perf_counter() - start
+    report["environment"]["load_average_at_end"] = os.getloadavg()
+
+    env = report["environment"]
+    load = env["load_average_at_start"][0], env["load_average_at_end"][0]
+    print(
+        f"\n## step_bench ({report['mode']}): {env['cpu_count']} CPU cores, "
+        f"jax {env['versions']['jax']}, {settings.trials} interleaved rounds, "
+        f"{report['seconds']:.0f} s, 1-min load average {load[0]:.1f} → "
+        f"{load[1]:.1f}\n"
+    )
+    print(render(report, impls))
+    targets = check_targets(report)
+    if targets:
+        print("\n### pztrain targets\n")
+        print("\n".join(targets))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
