@@ -21,14 +21,15 @@ hand-written baselines and pztrain, the compiled step's ``memory_analysis()``:
 argument, output, aliased (donated) and temporary bytes, and whether the aliased
 bytes cover all params and optimizer-state bytes.
 
-``build_pztrain_fit`` is the hook for a ``pztrain.fit`` column: make it return a
-callable that runs N steps.
+The ``pztrain fit`` column runs ``pztrain.fit`` (on-device metrics, a progress
+bar, a log record every 100 steps) on an on-device ``ArrayLoader``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import importlib.metadata
 import json
@@ -511,27 +512,55 @@ def build_pztrain(problem: Problem, family: str = "penzai_v2", fused: int = 1):
     )
 
 
-# --- HOOK: pztrain.fit ------------------------------------------------------
+def build_pztrain_fit(problem: Problem) -> Callable[[int], Any]:
+    """``pztrain.fit`` on the pztrain column's model, loss and optimizer.
 
-
-def build_pztrain_fit(problem: Problem) -> Callable[[int], Any] | None:
-    """HOOK for a ``pztrain.fit`` column; returns ``None`` until it is wired in.
-
-    Return a callable ``run(n)`` that trains ``n`` more steps with ``fit`` (same
-    model, loss, optimizer and batch as `build_pztrain`, with metrics, progress
-    and logging every 100 steps as the ANCHORS target asks), keeps its state for
-    the next call, and returns something to block on (e.g. the new state's
-    params). ``run(1)`` is timed as the first call.
+    The data is the workload's batch repeated (up to 256 times, 64 MiB), in an on-device
+    ``ArrayLoader`` (shuffled per epoch, sliced inside the step). Each ``run(n)``
+    is one ``fit`` call of ``n`` more steps with on-device metrics, a tqdm
+    progress bar (written to /dev/null) and a log record every 100 steps (and at
+    its end). Returns the new params to block on.
     """
-    del problem
-    return None
+    import tqdm
+
+    import pztrain
+
+    model = problem.penzai_v2_model()
+    logits_fn = penzai_v2_logits
+    state = pztrain.TrainState.initial_state(
+        model, optax.adam(LEARNING_RATE), jax.random.key(SEED)
+    )
+    step = pztrain.build_train_step(_penzai_loss(logits_fn))
+    batch_bytes = sum(np.asarray(v).nbytes for v in problem.batch.values())
+    copies = int(np.clip(64 * 2**20 // batch_bytes, 1, 256))  # <= 64 MiB of data
+    arrays = {
+        k: np.concatenate([np.asarray(v)] * copies) for k, v in problem.batch.items()
+    }
+    loader = pztrain.ArrayLoader(
+        arrays, problem.workload.batch, seed=SEED, on_device=True
+    )
+    devnull = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the runner)
+    bar = functools.partial(tqdm.tqdm, file=devnull, mininterval=0.5)
+    holder = [state, 0]
+
+    def run(n: int) -> Any:
+        state, done = holder
+        state, _ = pztrain.fit(
+            state,
+            step,
+            loader,
+            num_steps=done + n,
+            log_every=100,
+            callbacks=[pztrain.ProgressBar(make_bar=bar)],
+        )
+        holder[:] = [state, done + n]
+        return state.params
+
+    return run
 
 
 def _build_fit_runner(problem: Problem) -> Runner:
-    run = build_pztrain_fit(problem)
-    if run is None:
-        raise NotImplementedError("pztrain.fit hook not wired in yet")
-    return Runner(run)
+    return Runner(build_pztrain_fit(problem))
 
 
 # ----------------------------------------------------------------------------

@@ -86,33 +86,45 @@ def check_batch(batch: Any, expected_keys: Iterable[str] | None = None) -> int:
 
 
 class IndexedBatches(NamedTuple):
-    """Many batches on device, taken by the train step at its own step.
+    """A dataset on device, with the order in which a run's steps read it.
 
-    The batch of step ``s`` is ``arrays[s - first_step]`` (``k`` consecutive ones
-    with ``steps_per_call=k``), sliced inside the jitted step: no per-step host
-    work, no per-step transfer. `ArrayLoader` with ``on_device=True`` makes one
-    per epoch.
+    The batch of step ``s`` is ``arrays[order[s - first_step]]`` (``k``
+    consecutive batches with ``steps_per_call=k``), gathered inside the jitted
+    step: no per-step host work, no per-step transfer, and no copy of the data
+    per epoch. `ArrayLoader` with ``on_device=True`` makes one per epoch.
 
     Attributes:
-      arrays: Name → array with leading axes ``[num_batches, batch_size]``.
-      first_step: The step of ``arrays[0]`` (an int32 device scalar).
+      arrays: Name → array of all examples (leading axis: examples).
+      order: int32 ``[num_batches, batch_size]``: the example indices of each
+        batch.
+      first_step: The step that reads ``order[0]`` (an int32 device scalar).
     """
 
     arrays: dict[str, jax.Array]
+    order: jax.Array
     first_step: jax.Array
 
     def take(self, step: jax.Array, count: int = 1) -> dict[str, jax.Array]:
         """The batch of ``step`` (stacked ``count`` batches if ``count > 1``)."""
         i = step - self.first_step
         if count == 1:
-            take = lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)  # noqa: E731
+            idx = jax.lax.dynamic_index_in_dim(self.order, i, 0, keepdims=False)
         else:
-            take = lambda a: jax.lax.dynamic_slice_in_dim(a, i, count, 0)  # noqa: E731
-        return jax.tree.map(take, self.arrays)
+            idx = jax.lax.dynamic_slice_in_dim(self.order, i, count, 0)
+        return _gather(self.arrays, idx)
 
     def first(self) -> dict[str, jax.Array]:
         """One batch (the first), e.g. to learn the metric names."""
-        return jax.tree.map(lambda a: a[0], self.arrays)
+        return _gather(self.arrays, self.order[0])
+
+
+def _gather(arrays: dict[str, jax.Array], idx: jax.Array) -> dict[str, jax.Array]:
+    # The indices are in range and unique by construction: "clip" skips the
+    # masking of the default "fill" mode (about 10% of a W1 step on CPU).
+    return {
+        k: jnp.take(v, idx, axis=0, mode="clip", unique_indices=True)
+        for k, v in arrays.items()
+    }
 
 
 def stack_batches(batches: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -200,16 +212,17 @@ class ArrayLoader:
         return {k: v[idx] for k, v in self.arrays.items()}
 
     def device_epoch(self, epoch: int) -> IndexedBatches:
-        """The batches of ``epoch`` on device, as `IndexedBatches`.
+        """The batches of ``epoch``, as `IndexedBatches` over the device arrays.
 
-        The arrays are moved to the device once; each call gathers one epoch.
+        The arrays are moved to the device once; each epoch sends only its order
+        (one int32 index per example).
         """
         if self._device_arrays is None:
             self._device_arrays = jax.device_put(self.arrays)
         n, bs = self.steps_per_epoch, self.batch_size
-        idx = jnp.asarray(self.order(epoch)[: n * bs].reshape(n, bs))
-        arrays = {k: jnp.take(v, idx, axis=0) for k, v in self._device_arrays.items()}
-        return IndexedBatches(arrays, jnp.asarray(epoch * n, jnp.int32))
+        order = self.order(epoch)[: n * bs].reshape(n, bs).astype(np.int32)
+        order, first = jax.device_put((order, np.int32(epoch * n)))
+        return IndexedBatches(self._device_arrays, order, first)
 
     def epoch(self, epoch: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """The batches of one epoch (for evaluation: one pass over the data)."""

@@ -388,7 +388,7 @@ def fit(
     def log_point(step: int, epoch: int) -> Stop | None:
         nonlocal sums
         with _host_reads():
-            summary = metrics.summarize(sums)
+            summary, sums = metrics.read_and_reset(sums)
             values = dict(summary.means)
             if injected:
                 values["learning_rate"] = float(state.hyperparams["learning_rate"])
@@ -396,7 +396,6 @@ def fit(
         if summary.nonfinite:
             rec["nonfinite_steps"] = summary.nonfinite
             rec["first_nonfinite_step"] = summary.first_nonfinite_step
-        sums = metrics.zeros(list(summary.means))
         stop = run_hooks("on_log", rec)
         _log(loggers, history, rec)
         stop = run_hooks("on_log", rec, late=True) or stop

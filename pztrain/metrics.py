@@ -8,6 +8,7 @@ that produced one, so a NaN check needs no host sync per step.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -20,6 +21,7 @@ __all__ = [
     "add",
     "metric_names",
     "metric_values",
+    "read_and_reset",
     "summarize",
     "zeros",
 ]
@@ -111,7 +113,29 @@ def add(acc: MetricSums, loss: jax.Array, aux: Any, step: jax.Array) -> MetricSu
 
 def summarize(acc: MetricSums) -> Summary:
     """Reads the sums (one device→host transfer) and returns their means."""
-    host = jax.device_get(acc)
-    count = int(host.count)
-    means = {k: float(v) / max(count, 1) for k, v in host.sums.items()}
-    return Summary(means, count, int(host.nonfinite), int(host.first_nonfinite_step))
+    return read_and_reset(acc, reset=False)[0]
+
+
+@functools.partial(jax.jit, static_argnames="reset")
+def _pack(acc: MetricSums, reset: bool):
+    names = sorted(acc.sums)
+    floats = jnp.stack([acc.sums[k] for k in names]) if names else jnp.zeros(0)
+    ints = jnp.stack([acc.count, acc.nonfinite, acc.first_nonfinite_step])
+    return floats, ints, (zeros(names) if reset else None)
+
+
+def read_and_reset(
+    acc: MetricSums, reset: bool = True
+) -> tuple[Summary, MetricSums | None]:
+    """Reads the sums and, with ``reset``, returns fresh zero sums as well.
+
+    One jitted call packs the sums into two small vectors (and makes the zeros),
+    so a log point costs one dispatch and two transfers whatever the number of
+    metrics.
+    """
+    names = sorted(acc.sums)
+    floats, ints, fresh = _pack(acc, reset)
+    floats, ints = jax.device_get((floats, ints))
+    count, nonfinite, first = (int(v) for v in ints)
+    means = {k: float(v) / max(count, 1) for k, v in zip(names, floats, strict=True)}
+    return Summary(means, count, nonfinite, first), fresh

@@ -303,9 +303,10 @@ def _batch_arg(batches: Any, batch: dict[str, Any]) -> Any:
 
 def _fast_replace(state: TrainState, **fields: Any) -> TrainState:
     """``dataclasses.replace`` without re-running ``__init__`` (hot path)."""
+    new_fields = state.__dict__.copy()
+    new_fields.update(fields)
     new = object.__new__(type(state))
-    new.__dict__.update(state.__dict__)
-    new.__dict__.update(fields)
+    object.__setattr__(new, "__dict__", new_fields)
     return new
 
 
@@ -354,7 +355,7 @@ class TrainStep:
     def _jit_kwargs(self, accumulate: bool) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
         if self.donate:
-            kwargs["donate_argnums"] = (2, 3, 4, 6) if accumulate else (2, 3, 4)
+            kwargs["donate_argnums"] = (0, 2, 3, 4, 6) if accumulate else (0, 2, 3, 4)
         sh = self._state_shardings
         if sh is not None or self._batch_shardings is not None:
             p = getattr(sh, "params", None)
@@ -404,8 +405,37 @@ class TrainStep:
           ``(new_state, aux)``; with ``steps_per_call=k`` the aux leaves are
           stacked along a leading axis ``k``.
         """
+        cache = self._cache
+        key = cache._key
+        rest = state.model_without_params
+        if (
+            batches is None
+            and key is not None
+            and key[0] is rest
+            and key[1] is state.optimizer_def
+            and not cache.spec.stateful
+        ):
+            # The common case, kept lean: this is the per-step hot path.
+            try:
+                (step, params, opt_state, lfs, _, _), aux = cache.fn(
+                    state.step,
+                    state.root_rng,
+                    state.params,
+                    state.opt_state,
+                    state.loss_fn_state,
+                    cache.dynamic,
+                    None,
+                    batch,
+                )
+            except (RuntimeError, ValueError) as err:
+                _donation_error(state, err)
+                raise
+            new_state = _fast_replace(
+                state, step=step, params=params, opt_state=opt_state, loss_fn_state=lfs
+            )
+            return new_state, aux
         batch = _batch_arg(batches, batch)
-        new_state, _, aux = self._run(self._cache, state, None, batch)
+        new_state, _, aux = self._run(cache, state, None, batch)
         return new_state, aux
 
     def accumulate(
@@ -522,19 +552,20 @@ def build_train_step(
     """Builds a train step for ``loss_fn`` (penzai's loss-function contract).
 
     Donation is on by default with ``jit=True``: the step reuses the buffers of
-    the params, optimizer state and loss-function state it is given, so memory
-    holds one copy of them. The old state is then consumed; using it again
-    raises `pztrain.DonatedStateError`. ``TrainState.initial_state`` copies the
-    model's arrays, so the model you built is never donated. Pass
-    ``donate=False`` to keep old states alive (e.g. to compare two steps).
+    the step counter, params, optimizer state and loss-function state it is
+    given, so memory holds one copy of them. The old state is then consumed;
+    using it again raises `pztrain.DonatedStateError`.
+    ``TrainState.initial_state`` copies the model's arrays, so the model you
+    built is never donated. Pass ``donate=False`` to keep old states alive (e.g.
+    to compare two steps).
 
     Args:
       loss_fn: ``loss_fn(*, model, state, rng, **batch) -> (loss, new_state,
         aux)``.
       jit: Whether to ``jax.jit`` the step (``False`` runs eagerly, for
         debugging).
-      donate: Donate params, optimizer state and loss-function state (default:
-        the value of ``jit``).
+      donate: Donate step counter, params, optimizer state and loss-function
+        state (default: the value of ``jit``).
       steps_per_call: Fuse this many steps into one call with ``lax.scan``;
         every batch leaf then has a leading axis of this size, and the keys are
         those of as many single steps.
