@@ -1,0 +1,43 @@
+"""The benchmarks run to completion (a smoke test: their timings are not checked)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str, timeout: int) -> str:
+    out = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_step_benchmark_quick_mode_completes():
+    out = _run("benchmarks/step_bench.py", "--quick", timeout=600)
+    assert "Steps/s relative to the raw jit baseline" in out
+    for name in ("W0", "W1", "W3s"):
+        assert name in out
+    assert "pztrain fit" in out
+
+
+def test_checkpoint_benchmark_completes():
+    out = _run(
+        "benchmarks/checkpoint_bench.py",
+        "--params",
+        "2000000",
+        "--trials",
+        "1",
+        timeout=300,
+    )
+    assert "ratio to numpy" in out and "asynchronous" in out
