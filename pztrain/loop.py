@@ -290,7 +290,7 @@ def fit(
         during the run (and finishes its saves when the run ends).
       resume: Continue from the newest complete checkpoint in ``checkpoints``,
         if there is one: state, data position (from the step), log records
-        (JSONL records from that step on are replaced) and callback counters.
+        (JSONL records after that step are replaced) and callback counters.
 
     Returns:
       ``(state, history)``.
