@@ -375,21 +375,26 @@ def load_params(
     """
     path = _checkpoint_dir(directory)
     meta = read_metadata(path)
+    params, rebuild = _target(like)
+    wanted = _check_params(path, meta, dict(_named_leaves(params)), partial)
+    return rebuild(_filled(params, _read_params(path, meta, wanted)))
+
+
+def _target(like: Any) -> tuple[Any, Any]:
+    """The params of ``like`` and a function that puts new ones back into it."""
     if isinstance(like, TrainState):
-        params = like.params
-        rebuild = lambda p: like.replace(params=p)  # noqa: E731
-    elif _is_params_tree(like):
-        params, rebuild = like, lambda p: p
-    else:
-        params, rest = partition.split(like)
-        rebuild = lambda p: partition.to_user_model(partition.merge(p, rest))  # noqa: E731
-    named = dict(_named_leaves(params))
-    wanted = _check_params(path, meta, named, partial)
-    loaded = _read_params(path, meta, wanted)
-    leaves, treedef = jax.tree.flatten(params)
-    names = [n for n, _ in _named_leaves(params)]
-    new = [loaded.get(n, leaf) for n, leaf in zip(names, leaves, strict=True)]
-    return rebuild(treedef.unflatten(new))
+        return like.params, lambda p: like.replace(params=p)
+    if _is_params_tree(like):
+        return like, lambda p: p
+    params, rest = partition.split(like)
+    return params, lambda p: partition.to_user_model(partition.merge(p, rest))
+
+
+def _filled(params: Any, loaded: dict[str, Any]) -> Any:
+    """``params`` with the leaves named in ``loaded`` replaced."""
+    named = _named_leaves(params)
+    treedef = jax.tree.structure(params)
+    return treedef.unflatten([loaded.get(n, leaf) for n, leaf in named])
 
 
 def _is_params_tree(like: Any) -> bool:
@@ -450,7 +455,7 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
             f"{path} holds params only (save_params); use load_params, or save with "
             "save_state / Checkpoints to resume training."
         )
-    params = _check_params(path, meta, dict(_named_leaves(like.params)), partial=False)
+    _check_params(path, meta, dict(_named_leaves(like.params)), partial=False)
     stored = meta["state"]
     like_leaves = _state_leaves(like)
     like_arrays = [(p, x) for p, x in like_leaves if _is_array(x)]
@@ -496,10 +501,7 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
     by_name = {
         meta["params"]["names"][int(i)]: v for i, v in restored["params"].items()
     }
-    leaves, treedef = jax.tree.flatten(like.params)
-    names = [n for n, _ in _named_leaves(like.params)]
-    new_params = treedef.unflatten([by_name[n] for n in names])
-    del params
+    new_params = _filled(like.params, by_name)
     # the rest of the state: arrays by position, Python scalars from JSON
     rest = like.replace(params=None)
     flat, rest_def = jax.tree_util.tree_flatten_with_path(rest)
@@ -534,17 +536,8 @@ def import_safetensors(
     path: str | os.PathLike, like: Any, *, partial: bool = False
 ) -> Any:
     """Reads params from a ``.safetensors`` file into ``like`` (see `load_params`)."""
-    load_file = _safetensors().load_file
-    tensors = load_file(str(path))
-    if isinstance(like, TrainState):
-        params = like.params
-        rebuild = lambda p: like.replace(params=p)  # noqa: E731
-    elif _is_params_tree(like):
-        params, rebuild = like, lambda p: p
-    else:
-        params, rest = partition.split(like)
-        rebuild = lambda p: partition.to_user_model(partition.merge(p, rest))  # noqa: E731
-    named = dict(_named_leaves(params))
+    tensors = _safetensors().load_file(str(path))
+    params, rebuild = _target(like)
     meta = {
         "params": {
             "names": list(tensors),
@@ -552,14 +545,9 @@ def import_safetensors(
             "dtypes": [str(t.dtype) for t in tensors.values()],
         }
     }
-    wanted = _check_params(Path(path), meta, named, partial)
-    leaves, treedef = jax.tree.flatten(params)
-    names = [n for n, _ in _named_leaves(params)]
-    new = [
-        jax.numpy.asarray(tensors[n]) if n in wanted else leaf
-        for n, leaf in zip(names, leaves, strict=True)
-    ]
-    return rebuild(treedef.unflatten(new))
+    wanted = _check_params(Path(path), meta, dict(_named_leaves(params)), partial)
+    loaded = {n: jax.numpy.asarray(tensors[n]) for n in wanted}
+    return rebuild(_filled(params, loaded))
 
 
 def _safetensors():
