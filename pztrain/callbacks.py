@@ -264,8 +264,8 @@ def _apply_if_finite_state(opt_state: Any) -> Any:
 class ProgressBar(Callback):
     """A tqdm progress bar (notebook-aware via ``tqdm.auto``).
 
-    It advances with each call of the step and shows the last logged metrics; it
-    reads nothing from the device.
+    It advances about ten times per log interval and shows the last logged
+    metrics; it reads nothing from the device.
 
     Args:
       metrics: Names to show (default: all train metrics).
@@ -299,7 +299,7 @@ class ProgressBar(Callback):
         )
 
     def advance(self, steps: int) -> None:
-        """Moves the bar by ``steps`` (called by the loop after each step call)."""
+        """Moves the bar by ``steps`` (called by the loop)."""
         self.bar.update(steps)
 
     def on_log(self, state, record):

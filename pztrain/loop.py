@@ -429,22 +429,32 @@ def fit(
                     {"steps_per_call": k, "log_every": log_every, **(hparams or {})}
                 )
         stop = run_hooks("on_train_start", info)
-        while stop is None and step < end:
-            try:
-                batch, ends_pass = next(source)
-            except StopIteration:
-                history.stop_reason = "the training data ran out"
-                break
-            if isinstance(batch, IndexedBatches):
-                args, kwargs = (batch,), {}
-            else:
-                args, kwargs = (), batch
-            if sums is None:
-                sums = train_step.metric_sums(state, *args, **kwargs)
-            state, sums = train_step.accumulate(state, sums, *args, **kwargs)
-            step += k
+        # The progress bar moves about 10 times per log interval.
+        tick = max(k, log_every // 10 // k * k) if bars else None
+        ran_out = False
+        while stop is None and step < end and not ran_out:
+            # Run the calls up to the next point where the host has work to do;
+            # between points the loop only calls the step.
+            target = _next_point(step, end, log_every, eval_every, per_epoch, tick)
+            first, ends_pass = step, False
+            while step < target and not ends_pass:
+                try:
+                    batch, ends_pass = next(source)
+                except StopIteration:
+                    ran_out = True
+                    break
+                if sums is None:
+                    sums = _metric_sums(train_step, state, batch)
+                state, sums, _ = train_step._run(
+                    train_step._acc_cache, state, sums, batch
+                )
+                step += k
             for bar in bars:
-                bar.advance(k)
+                bar.advance(step - first)
+            if ran_out:
+                history.stop_reason = "the training data ran out"
+            if step == first:
+                break
             if step % log_every == 0 or step >= end:
                 stop = log_point(step, epoch) or stop
                 last_log = step
@@ -506,6 +516,22 @@ def _put_pair(pair: tuple[Any, bool]) -> tuple[Any, bool]:
 
 
 _LOGGED_HOOKS = ("on_log", "on_eval_end")
+
+
+def _next_point(step, end, log_every, eval_every, per_epoch, tick) -> float:
+    """The next step at which the loop logs, evaluates, ends an epoch or stops
+    (or moves the progress bar, every ``tick`` steps)."""
+    points = [end, (step // log_every + 1) * log_every]
+    for every in (eval_every, per_epoch, tick):
+        if every:
+            points.append((step // every + 1) * every)
+    return min(points)
+
+
+def _metric_sums(train_step: TrainStep, state: TrainState, batch: Any):
+    if isinstance(batch, IndexedBatches):
+        return train_step.metric_sums(state, batch)
+    return train_step.metric_sums(state, **batch)
 
 
 def _log(loggers, history: History, rec: dict[str, Any]) -> None:
