@@ -8,7 +8,6 @@ that produced one, so a NaN check needs no host sync per step.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -28,19 +27,25 @@ __all__ = [
 
 
 class MetricSums(NamedTuple):
-    """Running sums on device.
+    """Running sums on device, packed into two arrays (few jit arguments).
 
     Attributes:
-      sums: Metric name → float32 sum over the steps since the last read.
-      count: Steps summed.
-      nonfinite: Steps whose loss was NaN or infinite.
-      first_nonfinite_step: The first such step, or -1.
+      names: The metric names, in the order of ``sums`` (static).
+      sums: float32 ``[len(names)]``: sums over the steps since the last read.
+      counts: int32 ``[3]``: steps summed, steps whose loss was NaN or
+        infinite, and the first such step (-1 if none).
     """
 
-    sums: dict[str, jax.Array]
-    count: jax.Array
-    nonfinite: jax.Array
-    first_nonfinite_step: jax.Array
+    names: tuple[str, ...]
+    sums: jax.Array
+    counts: jax.Array
+
+
+jax.tree_util.register_pytree_node(
+    MetricSums,
+    lambda m: ((m.sums, m.counts), m.names),
+    lambda names, children: MetricSums(names, *children),
+)
 
 
 class Summary(NamedTuple):
@@ -86,13 +91,12 @@ def metric_values(loss: jax.Array, aux: Any) -> dict[str, jax.Array]:
     return {k: jnp.asarray(v, jnp.float32) for k, v in values.items()}
 
 
-def zeros(names: list[str]) -> MetricSums:
+def zeros(names: list[str] | tuple[str, ...]) -> MetricSums:
     """Empty sums for the metrics ``names``."""
     return MetricSums(
-        sums={k: jnp.zeros((), jnp.float32) for k in names},
-        count=jnp.zeros((), jnp.int32),
-        nonfinite=jnp.zeros((), jnp.int32),
-        first_nonfinite_step=jnp.full((), -1, jnp.int32),
+        tuple(names),
+        jnp.zeros(len(names), jnp.float32),
+        jnp.array([0, 0, -1], jnp.int32),
     )
 
 
@@ -100,14 +104,14 @@ def add(acc: MetricSums, loss: jax.Array, aux: Any, step: jax.Array) -> MetricSu
     """Adds one step's metrics (device-side, inside jit)."""
     values = metric_values(loss, aux)
     bad = ~jnp.isfinite(loss)
-    first = jnp.where(
-        bad & (acc.first_nonfinite_step < 0), step, acc.first_nonfinite_step
-    )
+    count, nonfinite, first = acc.counts[0], acc.counts[1], acc.counts[2]
+    first = jnp.where(bad & (first < 0), step, first)
     return MetricSums(
-        sums={k: acc.sums[k] + values[k] for k in acc.sums},
-        count=acc.count + 1,
-        nonfinite=acc.nonfinite + bad.astype(jnp.int32),
-        first_nonfinite_step=first.astype(jnp.int32),
+        acc.names,
+        acc.sums + jnp.stack([values[k] for k in acc.names]),
+        jnp.stack([count + 1, nonfinite + bad.astype(jnp.int32), first]).astype(
+            jnp.int32
+        ),
     )
 
 
@@ -116,12 +120,9 @@ def summarize(acc: MetricSums) -> Summary:
     return read_and_reset(acc, reset=False)[0]
 
 
-@functools.partial(jax.jit, static_argnames="reset")
-def _pack(acc: MetricSums, reset: bool):
-    names = sorted(acc.sums)
-    floats = jnp.stack([acc.sums[k] for k in names]) if names else jnp.zeros(0)
-    ints = jnp.stack([acc.count, acc.nonfinite, acc.first_nonfinite_step])
-    return floats, ints, (zeros(names) if reset else None)
+@jax.jit
+def _zeros_like(acc: MetricSums) -> MetricSums:
+    return zeros(acc.names)
 
 
 def read_and_reset(
@@ -129,13 +130,11 @@ def read_and_reset(
 ) -> tuple[Summary, MetricSums | None]:
     """Reads the sums and, with ``reset``, returns fresh zero sums as well.
 
-    One jitted call packs the sums into two small vectors (and makes the zeros),
-    so a log point costs one dispatch and two transfers whatever the number of
-    metrics.
+    Costs two small transfers and (with ``reset``) one jitted call, whatever the
+    number of metrics.
     """
-    names = sorted(acc.sums)
-    floats, ints, fresh = _pack(acc, reset)
-    floats, ints = jax.device_get((floats, ints))
-    count, nonfinite, first = (int(v) for v in ints)
-    means = {k: float(v) / max(count, 1) for k, v in zip(names, floats, strict=True)}
+    sums, counts = jax.device_get((acc.sums, acc.counts))
+    fresh = _zeros_like(acc) if reset else None
+    count, nonfinite, first = (int(v) for v in counts)
+    means = {k: float(v) / max(count, 1) for k, v in zip(acc.names, sums, strict=True)}
     return Summary(means, count, nonfinite, first), fresh
