@@ -18,6 +18,7 @@ the JSON before any array is read.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -650,6 +651,8 @@ class Checkpoints(Callback):
             self._manager = ocp.CheckpointManager(
                 self.directory, item_handlers=_handlers(), options=options
             )
+            # Saves made outside fit are finished too when the interpreter exits.
+            atexit.register(self.close)
         return self._manager
 
     def steps(self) -> list[int]:
@@ -687,6 +690,7 @@ class Checkpoints(Callback):
             self._manager.wait_until_finished()
             self._manager.close()
             self._manager = None
+            atexit.unregister(self.close)
 
     # -- resume
 
