@@ -18,11 +18,11 @@ the JSON before any array is read.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -651,8 +651,10 @@ class Checkpoints(Callback):
             self._manager = ocp.CheckpointManager(
                 self.directory, item_handlers=_handlers(), options=options
             )
-            # Saves made outside fit are finished too when the interpreter exits.
-            atexit.register(self.close)
+            # Saves made outside fit are finished too when the interpreter exits:
+            # registered with threading (not atexit), so that it runs before the
+            # thread pools that orbax writes with are shut down.
+            threading._register_atexit(self._close_at_exit)
         return self._manager
 
     def steps(self) -> list[int]:
@@ -690,7 +692,10 @@ class Checkpoints(Callback):
             self._manager.wait_until_finished()
             self._manager.close()
             self._manager = None
-            atexit.unregister(self.close)
+
+    def _close_at_exit(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
     # -- resume
 

@@ -430,3 +430,28 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, mode):
         for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert steps == list(range(2, 25, 2))
+
+
+def test_async_save_outside_fit_is_finished_at_exit(tmp_path):
+    code = (
+        "import jax, jax.numpy as jnp, optax, pztrain\n"
+        "state = pztrain.TrainState.initial_state({'w': jnp.ones((1000, 1000))},"
+        " optax.adam(0.1), jax.random.key(0))\n"
+        f"ckpt = pztrain.Checkpoints({str(tmp_path / 'c')!r})\n"
+        "ckpt.save(state, 3)\n"  # async; the script exits without wait() or close()
+    )
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "c" / "3" / "commit_success.txt").exists() or (
+        tmp_path / "c" / "3" / "_CHECKPOINT_METADATA"
+    ).exists()
+    assert not list((tmp_path / "c").glob("*tmp*"))
+    back = pztrain.load_params(tmp_path / "c", {"w": jnp.zeros((1000, 1000))})
+    np.testing.assert_array_equal(back["w"], np.ones((1000, 1000)))
