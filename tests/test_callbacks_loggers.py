@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from fakes import FakeBar, steps_of
 
 from pztrain import (
     ArrayLoader,
@@ -96,10 +97,6 @@ def _info_fields(info: LoopInfo) -> dict:
     return {n: getattr(info, n) for n in names}
 
 
-def steps_of(history, split="train"):
-    return [r["step"] for r in history.records if r["split"] == split]
-
-
 class Recorder(Callback):
     def __init__(self):
         self.calls: list[tuple[str, object]] = []
@@ -138,20 +135,6 @@ class CountingLogger:
 
     def log_record(self, record):
         self.records.append(record)
-
-    def close(self):
-        self.closed += 1
-
-
-class FakeBar:
-    def __init__(self, **kwargs):
-        self.kwargs, self.updates, self.postfixes, self.closed = kwargs, [], [], 0
-
-    def update(self, n):
-        self.updates.append(n)
-
-    def set_postfix(self, values, refresh=True):
-        self.postfixes.append(dict(values))
 
     def close(self):
         self.closed += 1

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from fakes import FakeBar, steps_of
 from jax._src import array as jax_array
 from jax._src import config as jax_config
 
@@ -101,10 +102,6 @@ def train_records(history):
     return [r for r in history.records if r["split"] == "train"]
 
 
-def steps_of(history, split="train"):
-    return [r["step"] for r in history.records if r["split"] == split]
-
-
 class Recorder(Callback):
     """Records every hook call; ``on_log`` also keeps a host copy of the params."""
 
@@ -134,20 +131,6 @@ class Recorder(Callback):
 
     def hooks(self, name):
         return [arg for hook, arg in self.calls if hook == name]
-
-
-class FakeBar:
-    def __init__(self, **kwargs):
-        self.kwargs, self.updates, self.postfixes, self.closed = kwargs, [], [], 0
-
-    def update(self, n):
-        self.updates.append(n)
-
-    def set_postfix(self, values, refresh=True):
-        self.postfixes.append(dict(values))
-
-    def close(self):
-        self.closed += 1
 
 
 # ------------------------------------------------------------------ length
