@@ -69,3 +69,23 @@ def xor_loss(*, model, state, rng, x, y):
     logits = logits_of(model, x)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return loss, state, {"loss": loss}
+
+
+FAMILIES = {
+    "penzai_v2": penzai_v2_mlp,
+    "penzai_v1": penzai_v1_mlp,
+    "equinox": equinox_mlp,
+}
+
+
+def family_state(family: str, *, seed: int = 0, lr: float = 0.05, key_seed=None):
+    """A TrainState of one family's XOR model with Adam (``"flax"``: create())."""
+    import pztrain
+
+    tx = optax.adam(lr)
+    if family == "flax":
+        return pztrain.TrainState.create(
+            apply_fn=dict_mlp_apply, params=dict_mlp_params(seed), tx=tx
+        )
+    key = jax.random.key(seed if key_seed is None else key_seed)
+    return pztrain.TrainState.initial_state(FAMILIES[family](seed), tx, key)

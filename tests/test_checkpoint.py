@@ -18,10 +18,7 @@ import pytest
 from models import (
     XOR_X,
     XOR_Y,
-    dict_mlp_apply,
-    dict_mlp_params,
-    equinox_mlp,
-    penzai_v1_mlp,
+    family_state,
     penzai_v2_mlp,
     xor_loss,
 )
@@ -34,16 +31,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def _state(family: str, seed: int = 0):
-    if family == "flax":
-        return TrainState.create(
-            apply_fn=dict_mlp_apply, params=dict_mlp_params(seed), tx=optax.adam(0.01)
-        )
-    model = {
-        "penzai_v2": penzai_v2_mlp,
-        "penzai_v1": penzai_v1_mlp,
-        "equinox": equinox_mlp,
-    }[family](seed)
-    return TrainState.initial_state(model, optax.adam(0.01), jax.random.key(seed))
+    return family_state(family, seed=seed, lr=0.01)
 
 
 def _trained(family: str):

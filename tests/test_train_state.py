@@ -11,6 +11,7 @@ import optax
 import pytest
 import treescope
 from models import (
+    FAMILIES,
     XOR_X,
     XOR_Y,
     dict_mlp_apply,
@@ -24,12 +25,6 @@ from penzai import pz
 
 import pztrain
 from pztrain import TrainState
-
-FAMILIES = {
-    "penzai_v2": penzai_v2_mlp,
-    "penzai_v1": penzai_v1_mlp,
-    "equinox": equinox_mlp,
-}
 
 
 def _tree_equal(a, b):

@@ -16,11 +16,8 @@ import pytest
 from models import (
     XOR_X,
     XOR_Y,
-    dict_mlp_apply,
-    dict_mlp_params,
     equinox_mlp,
-    penzai_v1_mlp,
-    penzai_v2_mlp,
+    family_state,
     xor_loss,
 )
 
@@ -29,17 +26,7 @@ from pztrain import TrainState
 
 
 def _state(family: str, lr: float = 0.05):
-    key = jax.random.key(42)
-    if family == "flax":
-        return TrainState.create(
-            apply_fn=dict_mlp_apply, params=dict_mlp_params(), tx=optax.adam(lr)
-        )
-    model = {
-        "penzai_v2": penzai_v2_mlp,
-        "penzai_v1": penzai_v1_mlp,
-        "equinox": equinox_mlp,
-    }[family]()
-    return TrainState.initial_state(model, optax.adam(lr), key)
+    return family_state(family, lr=lr, key_seed=42)
 
 
 @pytest.mark.parametrize("family", ["penzai_v2", "penzai_v1", "equinox", "flax"])
