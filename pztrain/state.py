@@ -427,15 +427,14 @@ class TrainState(pz.Struct):
 
     def check_not_donated(self, where: str = "this state") -> None:
         """Raises `DonatedStateError` if the params were donated to a step."""
-        for leaf in jax.tree.leaves(self.params):
-            if isinstance(leaf, jax.Array) and leaf.is_deleted():
-                raise DonatedStateError(
-                    f"{where}: the params of this TrainState were donated to a train "
-                    "step and no longer exist. Use the state that the step returned "
-                    "(state, aux = train_step(state, **batch)), or build the step "
-                    "with donate=False to keep old states usable."
-                )
-            return
+        leaves = jax.tree.leaves(self.params)
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+            raise DonatedStateError(
+                f"{where}: the params of this TrainState were donated to a train "
+                "step and no longer exist. Use the state that the step returned "
+                "(state, aux = train_step(state, **batch)), or build the step "
+                "with donate=False to keep old states usable."
+            )
 
 
 def _check_optimizer(optimizer_def: Any) -> None:
