@@ -445,9 +445,7 @@ def fit(
                     break
                 if sums is None:
                     sums = _metric_sums(train_step, state, batch)
-                state, sums, _ = train_step._run(
-                    train_step._acc_cache, state, sums, batch
-                )
+                state, sums = train_step._accumulate(state, sums, batch)
                 step += k
             for bar in bars:
                 bar.advance(step - first)

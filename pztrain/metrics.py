@@ -8,6 +8,7 @@ that produced one, so a NaN check needs no host sync per step.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -26,25 +27,30 @@ __all__ = [
 ]
 
 
-class MetricSums(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class MetricSums:
     """Running sums on device, packed into two arrays (few jit arguments).
+
+    A pytree whose leaves are the two arrays; ``names`` is static. It flattens in
+    JAX's C++ code, so passing it to a jitted step costs no Python call. One
+    step's update is one fused add into ``sums`` and one select into ``first``.
 
     Attributes:
       names: The metric names, in the order of ``sums`` (static).
-      sums: float32 ``[len(names)]``: sums over the steps since the last read.
-      counts: int32 ``[3]``: steps summed, steps whose loss was NaN or
-        infinite, and the first such step (-1 if none).
+      sums: float32 ``[len(names) + 2]``: the sum of each metric over the steps
+        since the last read, then the number of steps summed and the number of
+        those whose loss was NaN or infinite (float32 counts are exact up to
+        2**24 steps between reads).
+      first: int32 scalar: the first step whose loss was not finite (-1 if none).
     """
 
     names: tuple[str, ...]
     sums: jax.Array
-    counts: jax.Array
+    first: jax.Array
 
 
-jax.tree_util.register_pytree_node(
-    MetricSums,
-    lambda m: ((m.sums, m.counts), m.names),
-    lambda names, children: MetricSums(names, *children),
+jax.tree_util.register_dataclass(
+    MetricSums, data_fields=["sums", "first"], meta_fields=["names"]
 )
 
 
@@ -92,11 +98,16 @@ def metric_values(loss: jax.Array, aux: Any) -> dict[str, jax.Array]:
 
 
 def zeros(names: list[str] | tuple[str, ...]) -> MetricSums:
-    """Empty sums for the metrics ``names``."""
+    """Empty sums for the metrics ``names``.
+
+    Example:
+      >>> summarize(zeros(["loss"]))
+      Summary(means={'loss': 0.0}, count=0, nonfinite=0, first_nonfinite_step=-1)
+    """
     return MetricSums(
         tuple(names),
-        jnp.zeros(len(names), jnp.float32),
-        jnp.array([0, 0, -1], jnp.int32),
+        jnp.asarray(np.zeros(len(names) + 2, np.float32)),
+        jnp.asarray(np.int32(-1)),
     )
 
 
@@ -104,15 +115,9 @@ def add(acc: MetricSums, loss: jax.Array, aux: Any, step: jax.Array) -> MetricSu
     """Adds one step's metrics (device-side, inside jit)."""
     values = metric_values(loss, aux)
     bad = ~jnp.isfinite(loss)
-    count, nonfinite, first = acc.counts[0], acc.counts[1], acc.counts[2]
-    first = jnp.where(bad & (first < 0), step, first)
-    return MetricSums(
-        acc.names,
-        acc.sums + jnp.stack([values[k] for k in acc.names]),
-        jnp.stack([count + 1, nonfinite + bad.astype(jnp.int32), first]).astype(
-            jnp.int32
-        ),
-    )
+    new = jnp.stack([*(values[k] for k in acc.names), 1.0, bad.astype(jnp.float32)])
+    first = jnp.where(bad & (acc.first < 0), step, acc.first).astype(jnp.int32)
+    return MetricSums(acc.names, acc.sums + new, first)
 
 
 def summarize(acc: MetricSums) -> Summary:
@@ -133,8 +138,11 @@ def read_and_reset(
     Costs two small transfers and (with ``reset``) one jitted call, whatever the
     number of metrics.
     """
-    sums, counts = jax.device_get((acc.sums, acc.counts))
+    sums, first = jax.device_get((acc.sums, acc.first))
     fresh = _zeros_like(acc) if reset else None
-    count, nonfinite, first = (int(v) for v in counts)
-    means = {k: float(v) / max(count, 1) for k, v in zip(acc.names, sums, strict=True)}
-    return Summary(means, count, nonfinite, first), fresh
+    n = len(acc.names)
+    count, nonfinite = int(sums[n]), int(sums[n + 1])
+    means = {
+        k: float(v) / max(count, 1) for k, v in zip(acc.names, sums[:n], strict=True)
+    }
+    return Summary(means, count, nonfinite, int(first)), fresh

@@ -286,7 +286,7 @@ def _train_step_fn(loss_fn, spec, optimizer_def, steps_per_call, accumulate=Fals
 
 def _shapes_key(tree: Any) -> tuple[Any, ...]:
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((np.shape(x), str(getattr(x, "dtype", ""))) for x in leaves)
+    return treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
 
 
 def _batch_arg(batches: Any, batch: dict[str, Any]) -> Any:
@@ -405,37 +405,9 @@ class TrainStep:
           ``(new_state, aux)``; with ``steps_per_call=k`` the aux leaves are
           stacked along a leading axis ``k``.
         """
-        cache = self._cache
-        key = cache._key
-        rest = state.model_without_params
-        if (
-            batches is None
-            and key is not None
-            and key[0] is rest
-            and key[1] is state.optimizer_def
-            and not cache.spec.stateful
-        ):
-            # The common case, kept lean: this is the per-step hot path.
-            try:
-                (step, params, opt_state, lfs, _, _), aux = cache.fn(
-                    state.step,
-                    state.root_rng,
-                    state.params,
-                    state.opt_state,
-                    state.loss_fn_state,
-                    cache.dynamic,
-                    None,
-                    batch,
-                )
-            except (RuntimeError, ValueError) as err:
-                _donation_error(state, err)
-                raise
-            new_state = _fast_replace(
-                state, step=step, params=params, opt_state=opt_state, loss_fn_state=lfs
-            )
-            return new_state, aux
-        batch = _batch_arg(batches, batch)
-        new_state, _, aux = self._run(cache, state, None, batch)
+        if batches is not None:
+            batch = _batch_arg(batches, batch)
+        new_state, _, aux = self._call(self._cache, state, None, batch)
         return new_state, aux
 
     def accumulate(
@@ -452,9 +424,53 @@ class TrainStep:
         jitted call (`pztrain.metrics`); nothing is read back to the host. Start
         from `metric_sums`. ``sums`` is donated along with the state.
         """
-        batch = _batch_arg(batches, batch)
-        new_state, sums, _ = self._run(self._acc_cache, state, sums, batch)
+        return self._accumulate(state, sums, _batch_arg(batches, batch))
+
+    def _accumulate(
+        self, state: TrainState, sums: metrics.MetricSums, batch: Any
+    ) -> tuple[TrainState, metrics.MetricSums]:
+        """`accumulate` with the batch (a dict or `IndexedBatches`) as one value.
+
+        `pztrain.fit` calls this between log points: like ``__call__`` it has a
+        lean path for the common case (same model structure as the last call,
+        no state variables), the per-step hot path of the loop.
+        """
+        new_state, sums, _ = self._call(self._acc_cache, state, sums, batch)
         return new_state, sums
+
+    def _call(self, cache: _RestCache, state: TrainState, sums: Any, batch: Any):
+        """One call of the jitted step: ``(new_state, sums, aux)``.
+
+        The per-step hot path, kept lean for the common case (the same model
+        structure as the last call, no state variables); anything else goes
+        through `_run`.
+        """
+        key = cache._key
+        if (
+            key is not None
+            and key[0] is state.model_without_params
+            and key[1] is state.optimizer_def
+            and not cache.spec.stateful
+        ):
+            try:
+                (step, params, opt_state, lfs, _, sums), aux = cache.fn(
+                    state.step,
+                    state.root_rng,
+                    state.params,
+                    state.opt_state,
+                    state.loss_fn_state,
+                    cache.dynamic,
+                    sums,
+                    batch,
+                )
+            except (RuntimeError, ValueError) as err:
+                _donation_error(state, err)
+                raise
+            new_state = _fast_replace(
+                state, step=step, params=params, opt_state=opt_state, loss_fn_state=lfs
+            )
+            return new_state, sums, aux
+        return self._run(cache, state, sums, batch)
 
     def metric_sums(
         self, state: TrainState, batches: IndexedBatches | None = None, /, **batch: Any
@@ -468,7 +484,7 @@ class TrainStep:
         cache.lookup(state.model_without_params, state.optimizer_def)
         batch = _batch_arg(batches, batch)
         if isinstance(batch, IndexedBatches):
-            batch = batch.first()
+            batch = batch.batch_shapes()
         elif self.steps_per_call > 1:  # the metrics of one step, from one slice
             batch = jax.tree.map(lambda x: x[0], batch)
         args = self._args(cache, state, None, batch)
@@ -531,10 +547,17 @@ class TrainStep:
             batch,
         )
 
-    def lower(self, state: TrainState, **batch: Any) -> jax.stages.Lowered:
-        """Lowers the jitted step for ``state`` and ``batch`` (nothing runs)."""
+    def lower(
+        self, state: TrainState, batches: IndexedBatches | None = None, /, **batch: Any
+    ) -> jax.stages.Lowered:
+        """Lowers the jitted step for ``state`` and ``batch`` (nothing runs).
+
+        The batch is given as in a call: keyword arrays or one
+        `pztrain.data.IndexedBatches`.
+        """
         if not self.jit:
             raise ValueError("lower() needs a jitted step: build it with jit=True.")
+        batch = _batch_arg(batches, batch)
         cache = self._cache
         cache.lookup(state.model_without_params, state.optimizer_def)
         return cache.fn.lower(*self._args(cache, state, None, batch))
