@@ -409,14 +409,16 @@ def fit(
         stop = run_hooks("on_eval_end", rec, late=True) or stop
         return stop
 
-    if loader is not None and loader.on_device:
-        source: Iterator[tuple[Any, bool]] = _device_batches(loader, start, k)
+    on_device = loader is not None and loader.on_device
+    if on_device:
+        _check_device_epochs(loader, start, k)
+        source: Iterator[tuple[Any, bool]] = iter(())
     elif loader is not None:
         batches = loader.iter_from_step(start, k) if end > start else iter(())
         source = ((b, False) for b in batches)
     else:
         source = _batches_from_iterable(train_data, k)
-    if prefetch and not (loader is not None and loader.on_device):
+    if prefetch and not on_device:
         source = prefetch_to_device(source, prefetch, put=_put_pair)
 
     step, epoch = start, (start // per_epoch if per_epoch else 0)
@@ -429,14 +431,23 @@ def fit(
                     {"steps_per_call": k, "log_every": log_every, **(hparams or {})}
                 )
         stop = run_hooks("on_train_start", info)
-        # The progress bar moves about 10 times per log interval.
+        # The progress bar moves about 10 times per log interval at first, then
+        # about every _BAR_SECONDS (see _bar_tick).
         tick = max(k, log_every // 10 // k * k) if bars else None
         ran_out = False
         while stop is None and step < end and not ran_out:
             # Run the calls up to the next point where the host has work to do;
             # between points the loop only calls the step.
             target = _next_point(step, end, log_every, eval_every, per_epoch, tick)
-            first, ends_pass = step, False
+            first, ends_pass, began = step, False, time.perf_counter()
+            if on_device:  # the stretch lies in one epoch: one IndexedBatches
+                batches = loader.device_epoch(step // per_epoch)
+                if sums is None:
+                    sums = _metric_sums(train_step, state, batches)
+                state, sums = train_step._accumulate_calls(
+                    state, sums, batches, (target - step) // k
+                )
+                step = target
             while step < target and not ends_pass:
                 try:
                     batch, ends_pass = next(source)
@@ -449,6 +460,8 @@ def fit(
                 step += k
             for bar in bars:
                 bar.advance(step - first)
+            if bars and step > first:
+                tick = _bar_tick(tick, step - first, time.perf_counter() - began, k)
             if ran_out:
                 history.stop_reason = "the training data ran out"
             if step == first:
@@ -488,10 +501,7 @@ def fit(
     return state, history
 
 
-def _device_batches(
-    loader: ArrayLoader, start: int, k: int
-) -> Iterator[tuple[IndexedBatches, bool]]:
-    """One `IndexedBatches` per epoch, repeated for each call of that epoch."""
+def _check_device_epochs(loader: ArrayLoader, start: int, k: int) -> None:
     per_epoch = loader.steps_per_epoch
     if per_epoch % k or start % k:
         raise ValueError(
@@ -499,13 +509,24 @@ def _device_batches(
             f"per epoch ({per_epoch}) and the start step ({start}) to be multiples "
             f"of {k}, so that no call spans two epochs."
         )
-    step = start
-    while True:
-        epoch = step // per_epoch
-        batches = loader.device_epoch(epoch)
-        while step < (epoch + 1) * per_epoch:
-            yield batches, False
-            step += k
+
+
+_BAR_SECONDS = 0.2  # wall time between progress-bar moves, once the rate is known
+
+
+def _bar_tick(tick: int, steps: int, seconds: float, k: int) -> int:
+    """Steps between bar moves: about ``_BAR_SECONDS`` at the rate just seen.
+
+    Moving the bar stops the loop's run of calls, which costs a few µs: every 10
+    steps that is several % of a 30 µs step; every 0.2 s it is nothing. The
+    tick changes by at most 2x per interval (the first interval includes the
+    compile).
+    """
+    if seconds <= 0:
+        return tick
+    want = steps / seconds * _BAR_SECONDS
+    want = min(max(want, tick / 2), tick * 2)
+    return max(k, int(want) // k * k)
 
 
 def _put_pair(pair: tuple[Any, bool]) -> tuple[Any, bool]:

@@ -438,6 +438,41 @@ class TrainStep:
         new_state, sums, _ = self._call(self._acc_cache, state, sums, batch)
         return new_state, sums
 
+    def _accumulate_calls(
+        self,
+        state: TrainState,
+        sums: metrics.MetricSums,
+        batches: IndexedBatches,
+        calls: int,
+    ) -> tuple[TrainState, metrics.MetricSums]:
+        """``calls`` accumulating calls on one `IndexedBatches` (fit's inner loop).
+
+        The first call goes through the checks of `_call`; when the fast path
+        applies, the rest pass the state's arrays straight from one call to the
+        next and build the new `TrainState` once, at the end.
+        """
+        cache = self._acc_cache
+        state, sums, _ = self._call(cache, state, sums, batches)
+        if cache.spec.stateful:
+            for _ in range(calls - 1):
+                state, sums, _ = self._call(cache, state, sums, batches)
+            return state, sums
+        fn, dyn, root = cache.fn, cache.dynamic, state.root_rng
+        step, params, opt_state, lfs = (
+            state.step,
+            state.params,
+            state.opt_state,
+            state.loss_fn_state,
+        )
+        for _ in range(calls - 1):
+            (step, params, opt_state, lfs, _, sums), _ = fn(
+                step, root, params, opt_state, lfs, dyn, sums, batches
+            )
+        new_state = _fast_replace(
+            state, step=step, params=params, opt_state=opt_state, loss_fn_state=lfs
+        )
+        return new_state, sums
+
     def _call(self, cache: _RestCache, state: TrainState, sums: Any, batch: Any):
         """One call of the jitted step: ``(new_state, sums, aux)``.
 

@@ -557,7 +557,7 @@ def test_progress_bar_default(fake_tqdm):
     (bar,) = fake_tqdm
     assert bar.kwargs["total"] == 8 and bar.kwargs["initial"] == 0
     assert bar.kwargs["unit"] == "step"
-    assert sum(bar.updates) == 8 and bar.updates == [1] * 8
+    assert sum(bar.updates) == 8 and min(bar.updates) >= 1
     train, evals = history.last("train"), history.last("eval")
     assert bar.postfixes[-2] == _shown(train["metrics"])
     assert bar.postfixes[-1] == _shown(evals["metrics"], "eval/")

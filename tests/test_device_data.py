@@ -91,7 +91,9 @@ def test_device_epochs_in_any_order_match_host_batches():
             np.testing.assert_array_equal(got["x"], want["x"])
             np.testing.assert_array_equal(got["y"], want["y"])
         stacked = batches.take(jnp.int32(epoch * n + 2), count=2)
-        np.testing.assert_array_equal(stacked["x"][1], host.batch_at(epoch * n + 3)["x"])
+        np.testing.assert_array_equal(
+            stacked["x"][1], host.batch_at(epoch * n + 3)["x"]
+        )
 
 
 def test_unshuffled_device_epochs_keep_the_original_order():

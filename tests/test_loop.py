@@ -604,3 +604,13 @@ def test_a_device_read_in_on_log_is_allowed(d2h_guard):
         state, history = run(num_steps=6, log_every=2, callbacks=[reads])
     assert reads.b[-1] == float(state.params["b"])
     assert len(reads.b) == 3
+
+
+def test_bar_tick_follows_the_rate_within_bounds():
+    from pztrain.loop import _bar_tick
+
+    assert _bar_tick(10, 100, 0.001, 1) == 20  # fast: at most doubles
+    assert _bar_tick(10, 10, 1.0, 1) == 5  # slow: at most halves
+    assert _bar_tick(2, 2, 10.0, 2) == 2  # never below steps_per_call
+    assert _bar_tick(8, 8, 0.0001, 4) == 16  # a multiple of steps_per_call
+    assert _bar_tick(40, 40, 0.1, 1) == 80  # 400 steps/s -> 80 per 0.2 s
