@@ -124,10 +124,10 @@ def test_the_step_slices_its_batch_instead_of_gathering_it():
     assert "gather" not in text
 
 
-def test_metric_sums_are_two_arrays_with_static_names():
+def test_metric_sums_are_one_array_with_static_names():
     sums = pztrain.metrics.zeros(["loss", "acc"])
     leaves, treedef = jax.tree.flatten(sums)
-    assert [leaf.shape for leaf in leaves] == [(4,), ()]
+    assert [leaf.shape for leaf in leaves] == [(6,)]
     summed = jax.jit(pztrain.metrics.add)(
         sums, jnp.float32(jnp.nan), {"acc": jnp.float32(0.5)}, jnp.int32(7)
     )
@@ -139,3 +139,15 @@ def test_metric_sums_are_two_arrays_with_static_names():
     assert summary.count == 2 and summary.nonfinite == 1
     assert summary.first_nonfinite_step == 7
     assert summary.means["acc"] == 0.75 and np.isnan(summary.means["loss"])
+
+
+@pytest.mark.parametrize("first", [0, 7, 65535, 65536, 2**24 + 3, 2**31 - 2])
+def test_metric_sums_keep_the_first_nonfinite_step_exactly(first):
+    add = jax.jit(pztrain.metrics.add)
+    sums = pztrain.metrics.zeros(["loss"])
+    sums = add(sums, jnp.float32(1.0), {}, jnp.int32(first - 1 if first else 0))
+    sums = add(sums, jnp.float32(jnp.inf), {}, jnp.int32(first))
+    sums = add(sums, jnp.float32(jnp.nan), {}, jnp.int32(first + 1))
+    summary = pztrain.metrics.summarize(sums)
+    assert summary.first_nonfinite_step == first
+    assert (summary.count, summary.nonfinite) == (3, 2)
