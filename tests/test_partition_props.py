@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from penzai import pz
 
@@ -93,6 +93,11 @@ def _is_float_array(x):
 
 def _float_leaves(tree):
     return [(n, v) for n, v in _walk(tree) if _is_float_array(v)]
+
+
+def _has_subnormals(x):
+    x = np.asarray(x)
+    return bool(np.any((x != 0) & (np.abs(x) < np.finfo(x.dtype).tiny)))
 
 
 def _assert_same_array(a, b):
@@ -332,13 +337,26 @@ def test_train_step_keeps_the_rest_and_moves_only_params(tree, trainable):
     }
     if not selected:
         return
+    # XLA's CPU runtime computes with subnormals flushed to zero, so x - 0 is 0
+    # for a subnormal x: such values cannot come back unchanged from a step.
+    assume(not any(_has_subnormals(v) for v in selected.values()))
     state = pztrain.TrainState.initial_state(
         tree, optax.sgd(1.0), jax.random.key(0), trainable=trainable
     )
     train_step = pztrain.build_train_step(_sum_loss)
     state, _ = train_step(state, scale=jnp.float32(0.0))
-    # A zero loss gradient leaves every value as it was, bit for bit ...
-    _assert_reproduces(state.model, tree, identical_arrays=False)
+    # A zero loss gradient leaves every value as it was (a signaling NaN may come
+    # back quieted), and every untrained leaf bit for bit ...
+    model = state.model
+    assert jax.tree.structure(model) == jax.tree.structure(tree)
+    for (name, leaf), got in zip(_walk(tree), jax.tree.leaves(model), strict=True):
+        if name in selected:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(leaf))
+            assert np.asarray(got).dtype == leaf.dtype
+        elif _is_array(leaf):
+            _assert_same_array(got, leaf)
+        else:
+            assert got is leaf
     state, _ = train_step(state, scale=jnp.float32(1.0))
     # ... and sgd(1.0) on sum(x) subtracts exactly 1 from each trained element.
     assert int(state.step) == 2
