@@ -264,7 +264,8 @@ def _apply_if_finite_state(opt_state: Any) -> Any:
 class ProgressBar(Callback):
     """A tqdm progress bar (notebook-aware via ``tqdm.auto``).
 
-    It advances about ten times per log interval and shows the last logged
+    It advances at the loop's host points, about every 0.2 s once the step rate
+    is known (ten times per log interval at first), and shows the last logged
     metrics; it reads nothing from the device.
 
     Args:

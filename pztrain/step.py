@@ -301,12 +301,22 @@ def _batch_arg(batches: Any, batch: dict[str, Any]) -> Any:
     return batches
 
 
-def _fast_replace(state: TrainState, **fields: Any) -> TrainState:
-    """``dataclasses.replace`` without re-running ``__init__`` (hot path)."""
-    new_fields = state.__dict__.copy()
-    new_fields.update(fields)
+def _fast_replace(
+    state: TrainState, step: Any, params: Any, opt_state: Any, lfs: Any, **more: Any
+) -> TrainState:
+    """``state.replace(...)`` of what a step changes, without ``__init__``.
+
+    The per-step hot path: the new state's ``__dict__`` is filled directly.
+    """
     new = object.__new__(type(state))
-    object.__setattr__(new, "__dict__", new_fields)
+    fields = new.__dict__
+    fields.update(state.__dict__)
+    fields["step"] = step
+    fields["params"] = params
+    fields["opt_state"] = opt_state
+    fields["loss_fn_state"] = lfs
+    if more:
+        fields.update(more)
     return new
 
 
@@ -451,6 +461,8 @@ class TrainStep:
         applies, the rest pass the state's arrays straight from one call to the
         next and build the new `TrainState` once, at the end.
         """
+        if calls < 1:
+            return state, sums
         cache = self._acc_cache
         state, sums, _ = self._call(cache, state, sums, batches)
         if cache.spec.stateful:
@@ -468,9 +480,7 @@ class TrainStep:
             (step, params, opt_state, lfs, _, sums), _ = fn(
                 step, root, params, opt_state, lfs, dyn, sums, batches
             )
-        new_state = _fast_replace(
-            state, step=step, params=params, opt_state=opt_state, loss_fn_state=lfs
-        )
+        new_state = _fast_replace(state, step, params, opt_state, lfs)
         return new_state, sums
 
     def _call(self, cache: _RestCache, state: TrainState, sums: Any, batch: Any):
@@ -501,9 +511,7 @@ class TrainStep:
             except (RuntimeError, ValueError) as err:
                 _donation_error(state, err)
                 raise
-            new_state = _fast_replace(
-                state, step=step, params=params, opt_state=opt_state, loss_fn_state=lfs
-            )
+            new_state = _fast_replace(state, step, params, opt_state, lfs)
             return new_state, sums, aux
         return self._run(cache, state, sums, batch)
 
@@ -556,12 +564,7 @@ class TrainStep:
             rest = cache.spec.build(new_dyn)
             cache.remember(rest, state.optimizer_def, new_dyn)
         new_state = _fast_replace(
-            state,
-            step=step,
-            params=params,
-            opt_state=opt_state,
-            loss_fn_state=lfs,
-            model_without_params=rest,
+            state, step, params, opt_state, lfs, model_without_params=rest
         )
         return new_state, sums, aux
 
