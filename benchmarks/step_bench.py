@@ -1040,6 +1040,8 @@ TARGETS = [
     ("pztrain", "W3", 0.95),
     ("pztrain_32", "W0", 6.0),
     ("pztrain_32", "W3", 1.4),
+    ("pztrain_fit", "W0", 0.85),
+    ("pztrain_fit", "W1", 0.95),
 ]
 
 
