@@ -497,7 +497,7 @@ class TrainStep:
             and key[1] is state.optimizer_def
             and not cache.spec.stateful
         ):
-            try:
+            try:  # `_args`, written out: this is the per-step path
                 (step, params, opt_state, lfs, _, sums), aux = cache.fn(
                     state.step,
                     state.root_rng,
