@@ -142,6 +142,9 @@ jax.tree_util.register_dataclass(
 )
 
 
+_ORDER_BYTES = 1 << 20  # budget for epoch orders made ahead (`ArrayLoader.order`)
+
+
 @jax.jit
 def _permute(arrays: dict[str, jax.Array], idx: jax.Array) -> dict[str, jax.Array]:
     # idx is a permutation: in range and unique by construction, so "clip"
@@ -210,6 +213,7 @@ class ArrayLoader:
         self._device_arrays: dict[str, jax.Array] | None = None
         self._device_order: np.ndarray | None = None  # example held by each row
         self._device_epoch: int | None = None  # the epoch it is arranged for
+        self._orders: dict[int, np.ndarray] = {}  # epoch orders made ahead
         if on_device and not drop_remainder:
             raise BatchError(
                 "on_device=True stacks an epoch's batches, so all must have one "
@@ -228,10 +232,26 @@ class ArrayLoader:
         return full + (1 if rest and not self.drop_remainder else 0)
 
     def order(self, epoch: int) -> np.ndarray:
-        """The example order of ``epoch``: a function of ``(seed, epoch)`` only."""
+        """The example order of ``epoch``: a function of ``(seed, epoch)`` only.
+
+        Returns a read-only array. Orders are made a few epochs at a time when
+        they are small (up to 8 epochs within 1 MiB): called once per epoch in
+        between training steps, NumPy's generator runs several times slower than
+        in a run of calls, which counts when epochs last a few milliseconds.
+        """
         if not self.shuffle:
             return np.arange(self.num_examples)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+        got = self._orders.get(epoch)
+        if got is None:
+            ahead = int(np.clip(_ORDER_BYTES // (8 * self.num_examples), 1, 8))
+            self._orders = {e: self._make_order(e) for e in range(epoch, epoch + ahead)}
+            got = self._orders[epoch]
+        return got
+
+    def _make_order(self, epoch: int) -> np.ndarray:
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+        order.flags.writeable = False
+        return order
 
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
         """The batch that global step ``step`` trains on."""
@@ -256,7 +276,9 @@ class ArrayLoader:
             # wanted are those holding order[0], order[1], ...
             where = np.empty_like(self._device_order)
             where[self._device_order] = np.arange(self.num_examples)
-            idx = jax.device_put(where[order].astype(np.int32))
+            # The index goes to the jitted gather as a NumPy array: jit's own
+            # transfer is much cheaper than a separate jax.device_put.
+            idx = where[order].astype(np.int32)
             self._device_arrays = _permute(self._device_arrays, idx)
             self._device_order, self._device_epoch = order, epoch
         return IndexedBatches(

@@ -82,6 +82,24 @@ def test_order_depends_only_on_seed_and_epoch():
     assert not np.array_equal(other.order(0), a.order(0))
 
 
+def test_orders_made_ahead_match_single_orders_and_are_read_only():
+    from pztrain import data as data_mod
+
+    a = ArrayLoader(_arrays(), 3, seed=7)
+    got = [a.order(e) for e in range(20)]  # crosses several blocks made ahead
+    for e in (19, 5, 0, 12):  # a fresh loader per epoch: nothing made ahead
+        np.testing.assert_array_equal(
+            ArrayLoader(_arrays(), 3, seed=7).order(e), got[e]
+        )
+    with pytest.raises(ValueError, match="read-only"):
+        a.order(3)[0] = 1  # a caller cannot corrupt the epoch's order
+    assert len(a._orders) <= 8
+    big = ArrayLoader({"x": np.zeros((300_000, 1), np.float32)}, 10, seed=0)
+    big.order(0)
+    held = sum(o.nbytes for o in big._orders.values())
+    assert len(big._orders) == 1 and held <= data_mod._ORDER_BYTES * 3
+
+
 def test_shuffle_false_is_in_order_every_epoch():
     loader = ArrayLoader(_arrays(), 4, shuffle=False)
     for e in range(3):
