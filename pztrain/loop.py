@@ -422,7 +422,7 @@ def fit(
         source = prefetch_to_device(source, prefetch, put=_put_pair)
 
     step, epoch = start, (start // per_epoch if per_epoch else 0)
-    sums = None
+    sums = carried = None
     last_log = last_eval = start
     try:
         with _host_reads():
@@ -442,12 +442,16 @@ def fit(
             first, ends_pass, began = step, False, time.perf_counter()
             if on_device:  # the stretch lies in one epoch: one IndexedBatches
                 batches = loader.device_epoch(step // per_epoch)
+                # The sums carry the step between host points; a callback that
+                # returned a state with another step array is caught here.
                 if sums is None:
                     sums = _metric_sums(train_step, state, batches)
+                if state.step is not carried:
+                    sums = metrics._with_step(sums, state.step)
                 state, sums = train_step._accumulate_calls(
                     state, sums, batches, (target - step) // k
                 )
-                step = target
+                carried, step = state.step, target
             while step < target and not ends_pass:
                 try:
                     batch, ends_pass = next(source)

@@ -22,7 +22,9 @@ __all__ = [
     "metric_names",
     "metric_values",
     "read_and_reset",
+    "split_step",
     "summarize",
+    "with_step",
     "zeros",
 ]
 
@@ -41,15 +43,20 @@ class MetricSums:
         since the last read; then the number of steps summed, the number of
         those whose loss was NaN or infinite (float32 counts are exact up to
         2**24 steps between reads), and the first such step as two exact
-        16-bit halves, high then low (-1 and -1 if none).
+        16-bit halves, high then low (-1 and -1 if none). With
+        ``carries_step``, two more slots hold the train step the same way.
+      carries_step: Whether the sums carry the train step (static). `pztrain.fit`
+        passes the step this way between its host points, which spares the
+        jitted step one buffer in and one out per call.
     """
 
     names: tuple[str, ...]
     sums: jax.Array
+    carries_step: bool = False
 
 
 jax.tree_util.register_dataclass(
-    MetricSums, data_fields=["sums"], meta_fields=["names"]
+    MetricSums, data_fields=["sums"], meta_fields=["names", "carries_step"]
 )
 
 
@@ -108,20 +115,56 @@ def zeros(names: list[str] | tuple[str, ...]) -> MetricSums:
     return MetricSums(tuple(names), jnp.asarray(empty))
 
 
+def _halves(step: jax.Array) -> jax.Array:
+    """A step as two 16-bit halves, high then low, that float32 holds exactly."""
+    step = jnp.asarray(step, jnp.int32)
+    return jnp.stack([step >> 16, step & 0xFFFF]).astype(jnp.float32)
+
+
+def _from_halves(halves: jax.Array) -> jax.Array:
+    return (halves[0].astype(jnp.int32) << 16) | halves[1].astype(jnp.int32)
+
+
 def add(acc: MetricSums, loss: jax.Array, aux: Any, step: jax.Array) -> MetricSums:
     """Adds one step's metrics (device-side, inside jit)."""
+    if acc.carries_step:
+        raise ValueError("add() takes sums without the step; see split_step().")
     values = metric_values(loss, aux)
     bad = ~jnp.isfinite(loss)
     n = len(acc.names)
     added = acc.sums[: n + 2] + jnp.stack(
         [*(values[k] for k in acc.names), 1.0, bad.astype(jnp.float32)]
     )
-    # The first non-finite step, as two halves that float32 holds exactly.
-    step = jnp.asarray(step, jnp.int32)
-    halves = jnp.stack([step >> 16, step & 0xFFFF]).astype(jnp.float32)
     first = acc.sums[n + 2 :]
-    first = jnp.where(bad & (first[0] < 0), halves, first)
+    first = jnp.where(bad & (first[0] < 0), _halves(step), first)
     return MetricSums(acc.names, jnp.concatenate([added, first]))
+
+
+def with_step(acc: MetricSums, step: jax.Array) -> MetricSums:
+    """``acc`` carrying the train step ``step`` (traceable).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> carried = with_step(zeros(["loss"]), jnp.int32(70_000))
+      >>> int(split_step(carried)[1])
+      70000
+    """
+    if acc.carries_step:
+        acc = split_step(acc)[0]
+    sums = jnp.concatenate([acc.sums, _halves(step)])
+    return MetricSums(acc.names, sums, carries_step=True)
+
+
+def split_step(acc: MetricSums) -> tuple[MetricSums, jax.Array]:
+    """The sums without the step, and the step (int32) that they carried."""
+    if not acc.carries_step:
+        raise ValueError("These sums carry no step; see with_step().")
+    return MetricSums(acc.names, acc.sums[:-2]), _from_halves(acc.sums[-2:])
+
+
+_with_step = jax.jit(with_step)
+_split_step = jax.jit(split_step)
+_step_of = jax.jit(lambda acc: split_step(acc)[1])
 
 
 def summarize(acc: MetricSums) -> Summary:
@@ -131,7 +174,8 @@ def summarize(acc: MetricSums) -> Summary:
 
 @jax.jit
 def _zeros_like(acc: MetricSums) -> MetricSums:
-    return zeros(acc.names)
+    fresh = zeros(acc.names)
+    return with_step(fresh, split_step(acc)[1]) if acc.carries_step else fresh
 
 
 def read_and_reset(
@@ -140,7 +184,7 @@ def read_and_reset(
     """Reads the sums and, with ``reset``, returns fresh zero sums as well.
 
     Costs one small transfer and (with ``reset``) one jitted call, whatever the
-    number of metrics.
+    number of metrics. Sums that carry the step keep it.
     """
     # np.asarray rather than jax.device_get: the same explicit read of one
     # array, without device_get's pytree machinery (~60 µs less per log point
@@ -148,7 +192,7 @@ def read_and_reset(
     sums = np.asarray(acc.sums)
     fresh = _zeros_like(acc) if reset else None
     n = len(acc.names)
-    count, nonfinite, hi, lo = (int(v) for v in sums[n:])
+    count, nonfinite, hi, lo = (int(v) for v in sums[n : n + 4])
     first = -1 if hi < 0 else hi * 65536 + lo
     means = {
         k: float(v) / max(count, 1) for k, v in zip(acc.names, sums[:n], strict=True)

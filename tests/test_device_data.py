@@ -56,6 +56,59 @@ def test_fit_on_device_equals_fit_on_host(k):
     (a, ha), (b, hb) = runs
     np.testing.assert_array_equal(a.params["w"], b.params["w"])
     assert [r["metrics"] for r in ha.records] == [r["metrics"] for r in hb.records]
+    # On device the step rides in the metric sums between host points.
+    assert a.step.dtype == b.step.dtype == jnp.int32
+    assert int(a.step) == int(b.step) == 12
+    assert [r["step"] for r in hb.records] == list(range(2 * k, 13, 2 * k))
+
+
+def test_fit_on_device_continues_from_a_state_a_callback_returns():
+    """A callback's state replaces fit's, step included (the sums pick it up)."""
+
+    class JumpOnce(pztrain.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_log(self, state, record):
+            self.seen.append(int(state.step))
+            if len(self.seen) == 1:
+                return state.replace(step=state.step + 1000)
+
+    step = pztrain.build_train_step(_loss)
+    loader = pztrain.ArrayLoader(_data(), 8, seed=1, on_device=True)
+    jump = JumpOnce()
+    state, _ = pztrain.fit(
+        _state(),
+        step,
+        loader,
+        num_steps=8,
+        log_every=4,
+        callbacks=[jump],
+        progress=False,
+    )
+    # fit counts its own steps (4 more after the jump); the state's step moved on
+    # from what the callback returned.
+    assert jump.seen == [4, 1008]
+    assert int(state.step) == 1008
+
+
+@pytest.mark.parametrize("step_value", [0, 7, 65535, 65536, 2**24 + 3, 2**31 - 2])
+def test_metric_sums_carry_the_step_exactly(step_value):
+    m = pztrain.metrics
+    plain = jax.jit(m.add)(m.zeros(["loss"]), jnp.float32(2.0), {}, jnp.int32(3))
+    carried = m.with_step(plain, jnp.int32(step_value))
+    assert carried.carries_step and carried.sums.shape == (plain.sums.shape[0] + 2,)
+    sums, got = jax.jit(m.split_step)(carried)
+    assert int(got) == step_value and got.dtype == jnp.int32
+    np.testing.assert_array_equal(sums.sums, plain.sums)
+    summary, fresh = m.read_and_reset(carried)
+    assert summary == m.summarize(plain)
+    assert fresh.carries_step and int(m.split_step(fresh)[1]) == step_value
+    assert m.summarize(fresh).count == 0
+    with pytest.raises(ValueError, match="split_step"):
+        m.add(carried, jnp.float32(1.0), {}, jnp.int32(0))
+    with pytest.raises(ValueError, match="with_step"):
+        m.split_step(plain)
 
 
 def test_resume_mid_epoch_on_device_sees_the_same_batches():

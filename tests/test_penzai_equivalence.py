@@ -407,3 +407,27 @@ def test_penzai_v2_state_variables_with_loss_fn_state():
     np.testing.assert_array_equal(our_aux["count_seen"], their_aux["count_seen"])
     np.testing.assert_allclose(our_aux["loss"], their_aux["loss"], rtol=RTOL)
     assert int(_v2_state_values(ours.model)["net/center/count"]) == 19
+
+
+def test_fit_on_device_keeps_state_variables_like_fit_on_host():
+    """fit's on-device stretches fall back to one call at a time for StateVariables."""
+    data = {k: np.concatenate([b[k] for b in _batches(6)]) for k in ("x", "y")}
+    step = pztrain.build_train_step(noisy_loss)
+    runs = []
+    for on_device in (False, True):
+        loader = pztrain.ArrayLoader(data, BATCH, seed=4, on_device=on_device)
+        state = pztrain.TrainState.initial_state(
+            _stateful_model(), optax.adam(1e-2), jax.random.key(5)
+        )
+        state, _ = pztrain.fit(
+            state, step, loader, num_steps=10, log_every=4, progress=False
+        )
+        runs.append(state)
+    host, dev = runs
+    assert int(host.step) == int(dev.step) == 10
+    host_vars, dev_vars = _v2_state_values(host.model), _v2_state_values(dev.model)
+    assert int(dev_vars["net/center/count"]) == 10
+    for label, value in host_vars.items():
+        np.testing.assert_array_equal(dev_vars[label], value)
+    for label, value in host.params.items():
+        np.testing.assert_array_equal(dev.params[label], value)
