@@ -645,7 +645,7 @@ class Settings:
     memory: bool = True
 
 
-QUICK = Settings(trials=5, trial_seconds=0.06, compile_samples=1)
+QUICK = Settings(trials=5, trial_seconds=0.06, compile_samples=0)
 FULL = Settings(trials=21, trial_seconds=0.1, compile_samples=7)
 
 
