@@ -124,6 +124,7 @@ class _RestCache:
         self._fns: dict[tuple[_RestSpec, Any], Callable[..., Any]] = {}
         self._key: tuple[Any, Any] | None = None
         self.spec: _RestSpec | None = None
+        self.stateful = False  # spec.stateful, read on the per-step path
         self.dynamic: list[Any] = []
         self.fn: Callable[..., Any] | None = None
 
@@ -136,6 +137,7 @@ class _RestCache:
         if fn_key not in self._fns:
             self._fns[fn_key] = self._make_fn(spec, optimizer_def)
         self._key, self.spec, self.dynamic = (rest, optimizer_def), spec, dynamic
+        self.stateful = spec.stateful
         self.fn = self._fns[fn_key]
 
     def remember(self, rest: Any, optimizer_def: Any, dynamic: list[Any]) -> None:
@@ -452,8 +454,8 @@ class TrainStep:
         """
         if batches is not None:
             batch = _batch_arg(batches, batch)
-        new_state, _, aux = self._call(self._cache, state, None, batch)
-        return new_state, aux
+        out = self._call(self._cache, state, None, batch)
+        return out[0], out[2]
 
     def accumulate(
         self,
@@ -535,20 +537,20 @@ class TrainStep:
         structure as the last call, no state variables); anything else goes
         through `_run`.
         """
-        key = cache._key
+        key, fields = cache._key, state.__dict__
         if (
             key is not None
-            and key[0] is state.model_without_params
-            and key[1] is state.optimizer_def
-            and not cache.spec.stateful
+            and key[0] is fields["model_without_params"]
+            and key[1] is fields["optimizer_def"]
+            and not cache.stateful
         ):
-            try:  # `_args`, written out: this is the per-step path
+            try:  # `_args` and `_fast_replace`, written out: the per-step path
                 (step, params, opt_state, lfs, _, sums), aux = cache.fn(
-                    state.step,
-                    state.root_rng,
-                    state.params,
-                    state.opt_state,
-                    state.loss_fn_state,
+                    fields["step"],
+                    fields["root_rng"],
+                    fields["params"],
+                    fields["opt_state"],
+                    fields["loss_fn_state"],
                     cache.dynamic,
                     sums,
                     batch,
@@ -556,7 +558,13 @@ class TrainStep:
             except (RuntimeError, ValueError) as err:
                 _donation_error(state, err)
                 raise
-            new_state = _fast_replace(state, step, params, opt_state, lfs)
+            new_state = object.__new__(type(state))
+            new_fields = new_state.__dict__
+            new_fields.update(fields)
+            new_fields["step"] = step
+            new_fields["params"] = params
+            new_fields["opt_state"] = opt_state
+            new_fields["loss_fn_state"] = lfs
             return new_state, sums, aux
         return self._run(cache, state, sums, batch)
 
