@@ -222,20 +222,28 @@ def _check_loss_output(out: Any, loss_fn_state: Any) -> tuple[Any, Any, Any]:
 # the pure step
 
 
+def _loss(loss_fn, spec: _RestSpec, params, rest_dyn, lfs, rng, batch):
+    """``(loss, (new_lfs, aux, new_rest_dyn))`` of the merged model on ``batch``.
+
+    ``new_rest_dyn`` holds the rest's new arrays if state variables changed.
+    """
+    rest = spec.build(rest_dyn)
+    if spec.stateful:
+        rest = partition.thaw_state_vars(rest)
+    model = partition.merge(params, rest)
+    out = loss_fn(model=model, state=lfs, rng=rng, **batch)
+    loss, new_lfs, aux = _check_loss_output(out, lfs)
+    new_rest_dyn = None
+    if spec.stateful:
+        new_rest_dyn = spec.dynamic_of(partition.freeze_state_vars(rest))
+    return loss, (new_lfs, aux, new_rest_dyn)
+
+
 def _grads(loss_fn, spec: _RestSpec, params, rest_dyn, lfs, rng, batch):
     """Loss, aux, new state and grads; the new rest arrays if state vars changed."""
 
     def loss_of(params):
-        rest = spec.build(rest_dyn)
-        if spec.stateful:
-            rest = partition.thaw_state_vars(rest)
-        model = partition.merge(params, rest)
-        out = loss_fn(model=model, state=lfs, rng=rng, **batch)
-        loss, new_lfs, aux = _check_loss_output(out, lfs)
-        new_rest_dyn = None
-        if spec.stateful:
-            new_rest_dyn = spec.dynamic_of(partition.freeze_state_vars(rest))
-        return loss, (new_lfs, aux, new_rest_dyn)
+        return _loss(loss_fn, spec, params, rest_dyn, lfs, rng, batch)
 
     (loss, (new_lfs, aux, new_rest_dyn)), grads = jax.value_and_grad(
         loss_of, has_aux=True
@@ -573,7 +581,7 @@ class TrainStep:
     ) -> metrics.MetricSums:
         """Zero sums for the metrics this step produces on ``batch``.
 
-        The metric names come from tracing the loss function once
+        The metric names come from tracing the loss function once, forward only
         (``jax.eval_shape``); nothing runs on the device.
         """
         cache = self._cache
@@ -586,8 +594,14 @@ class TrainStep:
         args = self._args(cache, state, None, batch)
         key = (cache.spec, state.optimizer_def, _shapes_key(args))
         if key not in self._metric_names:
-            fn = _train_step_fn(self.loss_fn, cache.spec, state.optimizer_def, 1)
-            _, aux = jax.eval_shape(fn, *args)
+            loss_fn, spec = self.loss_fn, cache.spec
+
+            def aux_of(step, root_rng, params, opt_state, lfs, rest_dyn, sums, batch):
+                del opt_state, sums
+                rng = jax.random.fold_in(root_rng, step)
+                return _loss(loss_fn, spec, params, rest_dyn, lfs, rng, batch)[1][1]
+
+            aux = jax.eval_shape(aux_of, *args)
             self._metric_names[key] = metrics.metric_names(aux)
         return metrics.zeros(self._metric_names[key])
 

@@ -204,3 +204,29 @@ def test_metric_sums_keep_the_first_nonfinite_step_exactly(first):
     summary = pztrain.metrics.summarize(sums)
     assert summary.first_nonfinite_step == first
     assert (summary.count, summary.nonfinite) == (3, 2)
+
+
+def test_metric_names_come_from_a_forward_trace_alone():
+    """metric_sums traces the loss without its gradient (cheaper: no backward pass)."""
+
+    @jax.custom_vjp
+    def scaled(x):
+        return 2.0 * x
+
+    def forward(x):
+        return scaled(x), None
+
+    def backward(_, g):
+        raise AssertionError("metric_sums traced the backward pass")
+
+    scaled.defvjp(forward, backward)
+
+    def loss(*, model, state, rng, x, y):
+        value = jnp.mean((scaled(x @ model["w"]) - y) ** 2)
+        return value, state, {"loss": value, "acc": jnp.float32(0.5), "vec": x[0]}
+
+    step = pztrain.build_train_step(loss)
+    loader = pztrain.ArrayLoader(_data(), 8, seed=0, on_device=True)
+    sums = step.metric_sums(_state(), loader.device_epoch(0))
+    assert sums.names == ("loss", "acc")  # the vector leaf is no metric
+    assert step.metric_sums(_state(), **_data(8)).names == ("loss", "acc")
