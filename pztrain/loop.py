@@ -2,9 +2,11 @@
 
 Between log points the loop only calls the jitted step: the metrics of each
 step are summed on device inside that same call, and the host reads them (one
-transfer) at log, eval and callback points only. Every device→host read of the
-loop sits inside an explicit ``jax.transfer_guard_device_to_host("allow")``, so
-a run under ``"disallow"`` proves that nothing else syncs.
+transfer) at log, eval and callback points only; when no callback reads the
+log records, even a log point's read waits until the device has computed it.
+Every device→host read of the loop sits inside an explicit
+``jax.transfer_guard_device_to_host("allow")``, so a run under ``"disallow"``
+proves that nothing else syncs.
 """
 
 from __future__ import annotations
@@ -278,6 +280,10 @@ def fit(
       eval_every: Steps between evaluations (default: at each epoch end when
         epochs are known, else at the end).
       log_every: Steps between log points (a multiple of ``steps_per_call``).
+        If no callback but a `ProgressBar` has an ``on_log`` hook, a log point
+        does not wait for the device: its metrics are read once computed (at
+        the latest at the next log point, evaluation or the end), and the
+        record, unchanged, reaches the loggers then.
       callbacks: `pztrain.callbacks.Callback` s.
       loggers: `pztrain.loggers.Logger` s. Default: a `JsonlLogger` in
         ``run_dir`` if one is given, else none.
@@ -354,12 +360,12 @@ def fit(
     t0 = time.perf_counter()
     injected = _has_injected_lr(state)
 
-    def record(split: str, step: int, epoch: int, values: dict[str, float]) -> dict:
+    def record(split: str, step: int, epoch: int, values: dict[str, float], at=None):
         return {
             "step": step,
             "epoch": epoch,
             "split": split,
-            "time": round(time.perf_counter() - t0, 4),
+            "time": round((time.perf_counter() if at is None else at) - t0, 4),
             "metrics": values,
         }
 
@@ -386,13 +392,34 @@ def fit(
         return stop
 
     def log_point(step: int, epoch: int) -> Stop | None:
-        nonlocal sums
+        nonlocal sums, pending
+        stop = flush()
+        point = _LogPoint(sums, step, epoch, time.perf_counter())
+        if injected:
+            point.learning_rate = state.hyperparams["learning_rate"]
+        sums = metrics._zeros_like(sums)  # a dispatch: it does not wait
+        if not defer:
+            return emit(point) or stop
+        if point.learning_rate is not None:  # the next step donates it
+            point.learning_rate = jnp.copy(point.learning_rate)
+        pending = point
+        return stop
+
+    def flush(wait: bool = True) -> Stop | None:
+        """Emits the pending log point (``wait=False``: only if it is computed)."""
+        nonlocal pending
+        if pending is None or not (wait or pending.sums.sums.is_ready()):
+            return None
+        point, pending = pending, None
+        return emit(point)
+
+    def emit(point: _LogPoint) -> Stop | None:
         with _host_reads():
-            summary, sums = metrics.read_and_reset(sums)
+            summary = metrics.summarize(point.sums)
             values = dict(summary.means)
-            if injected:
-                values["learning_rate"] = float(state.hyperparams["learning_rate"])
-        rec = record("train", step, epoch, values)
+            if point.learning_rate is not None:
+                values["learning_rate"] = float(point.learning_rate)
+        rec = record("train", point.step, point.epoch, values, at=point.time)
         if summary.nonfinite:
             rec["nonfinite_steps"] = summary.nonfinite
             rec["first_nonfinite_step"] = summary.first_nonfinite_step
@@ -402,9 +429,10 @@ def fit(
         return stop
 
     def evaluation(step: int, epoch: int) -> Stop | None:
+        stop = flush()  # the train record comes first
         values = evaluate(state, eval_step, eval_data)
         rec = record("eval", step, epoch, values)
-        stop = run_hooks("on_eval_end", rec)
+        stop = run_hooks("on_eval_end", rec) or stop
         _log(loggers, history, rec)
         stop = run_hooks("on_eval_end", rec, late=True) or stop
         return stop
@@ -422,7 +450,13 @@ def fit(
         source = prefetch_to_device(source, prefetch, put=_put_pair)
 
     step, epoch = start, (start // per_epoch if per_epoch else 0)
-    sums = carried = None
+    sums = carried = pending = None
+    # Log points wait for the device only if a callback other than the progress
+    # bar reads the record there; otherwise a log point's sums are read when they
+    # are computed (checked at each host point) or at the next log point.
+    defer = all(
+        getattr(cb.on_log, "__func__", None) in _DEFERRABLE_ON_LOG for cb in callbacks
+    )
     last_log = last_eval = start
     try:
         with _host_reads():
@@ -470,6 +504,7 @@ def fit(
                 history.stop_reason = "the training data ran out"
             if step == first:
                 break
+            stop = flush(wait=False) or stop
             if step % log_every == 0 or step >= end:
                 stop = log_point(step, epoch) or stop
                 last_log = step
@@ -492,12 +527,18 @@ def fit(
         if last_log != step:  # steps not logged yet
             final = log_point(step, epoch)
             stop = stop or final
+        stop = flush() or stop
         if eval_step is not None and stop is None and last_eval != step:
             stop = evaluation(step, epoch)
         if stop is not None:
             history.stop_reason = stop.reason
     finally:
         try:
+            if pending is not None:  # the run failed: keep what was computed
+                try:
+                    flush()
+                except Exception:  # noqa: BLE001 - the original error matters
+                    pass
             run_hooks("on_train_end", history)
         finally:
             for lg in loggers:
@@ -539,6 +580,19 @@ def _put_pair(pair: tuple[Any, bool]) -> tuple[Any, bool]:
 
 
 _LOGGED_HOOKS = ("on_log", "on_eval_end")
+# on_log hooks that only show the record: fit need not wait for the device there.
+_DEFERRABLE_ON_LOG = (Callback.on_log, ProgressBar.on_log)
+
+
+@dataclasses.dataclass
+class _LogPoint:
+    """A log point: its sums (on device), step, epoch and host time."""
+
+    sums: metrics.MetricSums
+    step: int
+    epoch: int
+    time: float
+    learning_rate: jax.Array | None = None
 
 
 def _next_point(step, end, log_every, eval_every, per_epoch, tick) -> float:

@@ -320,6 +320,81 @@ def test_injected_learning_rate_is_logged():
     assert "learning_rate" not in plain.metric_names()
 
 
+class WaitOnLog(Callback):
+    """A callback that reads log records: fit must stop at each log point."""
+
+    def on_log(self, state, record):
+        return None
+
+
+def _without_time(history):
+    return [{k: v for k, v in r.items() if k != "time"} for r in history.records]
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_log_points_read_late_give_the_records_a_waiting_loop_gives(on_device):
+    def go(callbacks):
+        data = loader(on_device=on_device, drop_remainder=True)
+        return run(
+            new_state(OPT_LR),
+            data=data,
+            num_steps=14,
+            log_every=2,
+            eval_step=EVAL,
+            eval_data=EVAL_DATA,
+            eval_every=4,
+            callbacks=callbacks,
+        )
+
+    late_state, late = go([])
+    waiting_state, waiting = go([WaitOnLog()])
+    assert _without_time(late) == _without_time(waiting)
+    assert [(r["step"], r["split"]) for r in late.records][:4] == [
+        (2, "train"),
+        (4, "train"),
+        (4, "eval"),
+        (6, "train"),
+    ]
+    assert late.records[-1]["step"] == 14
+    assert_same_params(late_state, waiting_state)
+
+
+def test_log_points_do_not_wait_for_the_device_unless_a_callback_reads_them():
+    class Dispatches:
+        """Counts the steps handed to the device; loggers see the count."""
+
+        def __init__(self, step):
+            self.count, self._accumulate = 0, step._accumulate
+
+        def __call__(self, state, sums, batch):
+            self.count += 1
+            return self._accumulate(state, sums, batch)
+
+    class SeenAt:
+        def __init__(self, counter):
+            self.counter, self.seen = counter, []
+
+        def log_hparams(self, hparams):
+            pass
+
+        def log_record(self, record):
+            self.seen.append((record["step"], self.counter.count))
+
+        def close(self):
+            pass
+
+    for callbacks, late in (([], True), ([WaitOnLog()], False)):
+        step = build_train_step(loss_fn)
+        step._accumulate = counter = Dispatches(step)
+        logger = SeenAt(counter)
+        run(step=step, num_steps=8, log_every=2, callbacks=callbacks, loggers=[logger])
+        assert [s for s, _ in logger.seen] == [2, 4, 6, 8]
+        if late:  # emitted once the next steps were handed over
+            assert all(count > s for s, count in logger.seen[:-1])
+        else:
+            assert all(count == s for s, count in logger.seen)
+
+
 # ------------------------------------------------------------------- eval
 
 
