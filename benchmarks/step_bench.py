@@ -386,6 +386,32 @@ def build_raw(problem: Problem, fused: int = 1) -> Runner:
     )
 
 
+def build_raw_counter(problem: Problem) -> Runner:
+    """The baseline plus what a train state adds: an on-device step counter.
+
+    The counter is taken and returned (and donated) like pztrain's and Flax's
+    ``step``; the difference to the baseline is what keeping the step on the
+    device costs, whatever the library.
+    """
+    params, apply = problem.raw_model()
+    tx = optax.adam(LEARNING_RATE)
+
+    def one(step, params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: cross_entropy(apply(p, x), y))(
+            params
+        )
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return step + 1, optax.apply_updates(params, updates), opt_state, loss
+
+    step = jax.jit(one, donate_argnums=(0, 1, 2))
+    carry = [jnp.zeros((), jnp.int32), params, tx.init(params)]
+    return Runner(
+        _loop(step, carry, problem.batch),
+        lower=lambda: step.lower(*carry, **problem.batch),
+        state_bytes=_tree_nbytes(carry[1:]),
+    )
+
+
 def build_flax(problem: Problem) -> Runner:
     """Flax ``TrainState`` and a jitted step that donates it (the Flax docs' way)."""
     from flax.training import train_state
@@ -591,6 +617,7 @@ class Impl:
 
 IMPLS = [
     Impl("raw", "raw jit (baseline)", build_raw),
+    Impl("raw_counter", "raw jit + step counter", build_raw_counter),
     Impl("flax", "flax TrainState", build_flax, "no Flax version of the model"),
     Impl(
         "pz_v1",
