@@ -834,7 +834,13 @@ def measure_workload(
     others = [k for k in runners if k != BASELINE]
 
     def trial(key: str) -> float:
-        elapsed, _ = _timed(runners[key], calls[key])
+        # Like timeit: no garbage collection inside a trial, where a pass would
+        # scan every implementation's objects (gc.collect() runs between rounds).
+        gc.disable()
+        try:
+            elapsed, _ = _timed(runners[key], calls[key])
+        finally:
+            gc.enable()
         rate = calls[key] * runners[key].steps_per_call / elapsed
         rates[key].append(rate)
         return rate
