@@ -243,9 +243,10 @@ class ArrayLoader:
             return np.arange(self.num_examples)
         got = self._orders.get(epoch)
         if got is None:
-            ahead = int(np.clip(_ORDER_BYTES // (8 * self.num_examples), 1, 8))
-            self._orders = {e: self._make_order(e) for e in range(epoch, epoch + ahead)}
-            got = self._orders[epoch]
+            ahead = int(np.clip(_ORDER_BYTES // (8 * max(self.num_examples, 1)), 1, 8))
+            block = {e: self._make_order(e) for e in range(epoch, epoch + ahead)}
+            self._orders = block  # one assignment: safe with the prefetch thread
+            got = block[epoch]
         return got
 
     def _make_order(self, epoch: int) -> np.ndarray:
