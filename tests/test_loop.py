@@ -395,6 +395,31 @@ def test_log_points_do_not_wait_for_the_device_unless_a_callback_reads_them():
             assert all(count == s for s, count in logger.seen)
 
 
+def test_a_failing_run_still_emits_the_log_points_it_computed():
+    class FailAtEpochEnd(Callback):
+        def on_epoch_end(self, state, epoch):
+            if epoch == 1:
+                raise RuntimeError("boom")
+
+    class Keep:
+        def __init__(self):
+            self.steps = []
+
+        def log_hparams(self, hparams):
+            pass
+
+        def log_record(self, record):
+            self.steps.append(record["step"])
+
+        def close(self):
+            pass
+
+    keep = Keep()
+    with pytest.raises(RuntimeError, match="boom"):
+        run(num_steps=16, log_every=2, callbacks=[FailAtEpochEnd()], loggers=[keep])
+    assert keep.steps == [2, 4, 6, 8]  # 8: logged just before the failing hook
+
+
 # ------------------------------------------------------------------- eval
 
 
