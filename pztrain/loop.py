@@ -394,14 +394,13 @@ def fit(
     def log_point(step: int, epoch: int) -> Stop | None:
         nonlocal sums, pending
         stop = flush()
-        point = _LogPoint(sums, step, epoch, time.perf_counter())
-        if injected:
-            point.learning_rate = state.hyperparams["learning_rate"]
+        lr = state.hyperparams["learning_rate"] if injected else None
+        if defer and lr is not None:
+            lr = jnp.copy(lr)  # read later: the next step donates the original
+        point = _LogPoint(sums, step, epoch, time.perf_counter(), lr)
         sums = metrics._zeros_like(sums)  # a dispatch: it does not wait
         if not defer:
             return emit(point) or stop
-        if point.learning_rate is not None:  # the next step donates it
-            point.learning_rate = jnp.copy(point.learning_rate)
         pending = point
         return stop
 
@@ -584,9 +583,9 @@ _LOGGED_HOOKS = ("on_log", "on_eval_end")
 _DEFERRABLE_ON_LOG = (Callback.on_log, ProgressBar.on_log)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _LogPoint:
-    """A log point: its sums (on device), step, epoch and host time."""
+    """A log point: its sums and learning rate (on device), step, epoch, time."""
 
     sums: metrics.MetricSums
     step: int
