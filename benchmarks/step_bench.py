@@ -582,7 +582,7 @@ def build_pztrain_fit(problem: Problem) -> Callable[[int], Any]:
             loader,
             num_steps=done + n,
             log_every=100,
-            callbacks=[pztrain.ProgressBar(make_bar=bar)],
+            progress=pztrain.ProgressBar(make_bar=bar),
         )
         holder[:] = [state, done + n]
         return state.params

@@ -7,17 +7,16 @@ callbacks and loggers.
 """
 
 from pztrain import callbacks, checkpoint, data, loggers, metrics, partition
+from pztrain._version import __version__ as __version__
 from pztrain.callbacks import (
     Callback,
     EarlyStopping,
     LearningRateMonitor,
     NanPolicy,
     ProgressBar,
-    Stop,
 )
 from pztrain.checkpoint import (
     CheckpointError,
-    Checkpoints,
     export_safetensors,
     import_safetensors,
     load_params,
@@ -26,10 +25,12 @@ from pztrain.checkpoint import (
     save_params,
     save_state,
 )
+from pztrain.checkpoints import Checkpoints
 from pztrain.data import ArrayLoader, BatchError
 from pztrain.loggers import JsonlLogger, TensorBoardLogger
-from pztrain.loop import History, LoopInfo, evaluate, fit
+from pztrain.loop import evaluate, fit
 from pztrain.partition import ApplyFnModel, ParamSlot, PartitionError
+from pztrain.records import History, LoopInfo, Stop
 from pztrain.state import DonatedStateError, TrainState
 from pztrain.step import (
     EvalFunction,
@@ -40,8 +41,6 @@ from pztrain.step import (
     build_eval_step,
     build_train_step,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ApplyFnModel",

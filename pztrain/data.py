@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pztrain._batch import BatchError, check_batch, stack_batches
+
 __all__ = [
     "ArrayLoader",
     "BatchError",
@@ -25,65 +27,6 @@ __all__ = [
     "prefetch_to_device",
     "stack_batches",
 ]
-
-
-class BatchError(ValueError):
-    """A batch is not a dict of arrays with one shared leading axis."""
-
-
-def check_batch(batch: Any, expected_keys: Iterable[str] | None = None) -> int:
-    """Checks one batch and returns its size (the shared leading axis).
-
-    Args:
-      batch: A dict of arrays.
-      expected_keys: Keys every batch must have (e.g. those of the first batch).
-
-    Returns:
-      The leading-axis length shared by all leaves.
-
-    Raises:
-      BatchError: naming the missing key, the non-array leaf, or the leaves whose
-        leading axes differ.
-
-    Example:
-      >>> import numpy as np
-      >>> check_batch({"x": np.zeros((4, 2)), "y": np.zeros(4)})
-      4
-    """
-    if not isinstance(batch, Mapping):
-        raise BatchError(
-            f"A batch must be a dict of arrays (passed to the step as keyword "
-            f"arguments); got {type(batch).__name__}."
-        )
-    if expected_keys is not None:
-        missing = sorted(set(expected_keys) - set(batch))
-        if missing:
-            raise BatchError(
-                f"Batch is missing key(s) {missing}; it has {sorted(batch)}. Every "
-                "batch needs the same keys."
-            )
-    sizes: dict[str, int] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(dict(batch))[0]:
-        name = jax.tree_util.keystr(path, simple=True, separator="/")
-        if not isinstance(leaf, np.ndarray | jax.Array | np.generic):
-            raise BatchError(
-                f"batch[{name!r}] is a {type(leaf).__name__}, not an array; convert "
-                "it with np.asarray (strings and Python objects cannot enter jit)."
-            )
-        if np.ndim(leaf) == 0:
-            raise BatchError(
-                f"batch[{name!r}] is a scalar; batch leaves need a leading batch axis."
-            )
-        sizes[name] = np.shape(leaf)[0]
-    if not sizes:
-        raise BatchError("A batch needs at least one array.")
-    if len(set(sizes.values())) > 1:
-        raise BatchError(
-            "Batch leaves must share their leading (batch) axis; got "
-            + ", ".join(f"{k}: {v}" for k, v in sizes.items())
-            + "."
-        )
-    return next(iter(sizes.values()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,11 +96,6 @@ def _permute(arrays: dict[str, jax.Array], idx: jax.Array) -> dict[str, jax.Arra
         k: jnp.take(v, idx, axis=0, mode="clip", unique_indices=True)
         for k, v in arrays.items()
     }
-
-
-def stack_batches(batches: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """Stacks batches along a new leading axis (for ``steps_per_call > 1``)."""
-    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
 
 class ArrayLoader:

@@ -1,30 +1,27 @@
 """Train and eval steps: pure functions of a `TrainState` and a batch.
 
 `build_train_step` returns a `TrainStep`, callable as ``(state, **batch) -> (state,
-aux)``. Inside one ``jax.jit``: the step key is ``fold_in(root_rng, step)``, the
-params are merged into the model, the loss function runs under
-``jax.value_and_grad``, and optax updates params and optimizer state.
-
-What crosses the jit boundary per call is arrays only: the step, the key, the
-params dict, the optimizer and loss-function states, the arrays left in
-``model_without_params`` and the batch. The static structure of the model is
-flattened once per ``model_without_params`` object and closed over, so a penzai
-model's Python-level flattening is not paid on every call.
+aux)``. One call runs one jitted function (`pztrain._step_fns.train_fn`) on two
+named pytrees: a ``Carry`` (step, params, optimizer and loss-function states,
+optional metric sums), donated by name, and ``Inputs`` (key, the arrays of
+``model_without_params``, batch). The model's static structure is split off
+once per ``model_without_params`` object (`pztrain.partition.split_rest`) and
+closed over, so a penzai model's Python-level flattening is not paid per call.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from pztrain import metrics, partition
-from pztrain.data import IndexedBatches
-from pztrain.state import DonatedStateError, TrainState, optimizer_update
+from pztrain import _step_fns
+from pztrain._step_fns import Carry, Inputs, StepOutputs
+from pztrain.metrics import MetricSums, metric_names
+from pztrain.partition import RestSpec, split_rest
+from pztrain.state import DonatedStateError, TrainState
 
 __all__ = [
     "EvalFunction",
@@ -65,309 +62,87 @@ class EvalFunction(Protocol):
         """Returns a pytree of metrics for ``model`` on one batch."""
 
 
-class StepOutputs(NamedTuple):
-    """What `TrainStep.compute_grads` returns.
+class OnDeviceBatches(Protocol):
+    """Batches kept on the device, from which each step takes its own.
 
-    Attributes:
-      loss: The scalar loss.
-      loss_fn_state: The loss function's new state.
-      aux: The loss function's aux output.
-      grads: Gradients of the loss with respect to ``state.params``.
+    `pztrain.data.IndexedBatches` is one. Give it to a step positionally instead
+    of keyword arrays: ``train_step(state, batches)``.
     """
 
-    loss: jax.Array
-    loss_fn_state: Any
-    aux: Any
-    grads: Any
+    def take(self, step: jax.Array, count: int) -> dict[str, jax.Array]:
+        """The batch of ``step`` (``count`` consecutive ones stacked if > 1)."""
+
+    def batch_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes and dtypes of one batch."""
 
 
-# ----------------------------------------------------------------------------
-# the model without params, split into arrays and static structure (cached)
+class _Programs:
+    """A step's compiled functions, one per (model structure, optimizer).
 
-
-@dataclasses.dataclass(frozen=True)
-class _RestSpec:
-    """The static part of ``model_without_params``: treedef + non-array leaves."""
-
-    treedef: Any
-    static: tuple[tuple[int, Any], ...]  # (position, value) of non-array leaves
-    stateful: bool  # holds penzai v2 state variables
-
-    def build(self, dynamic: list[Any]) -> Any:
-        leaves = list(dynamic)
-        for i, value in self.static:
-            leaves.insert(i, value)
-        return self.treedef.unflatten(leaves)
-
-    def dynamic_of(self, rest: Any) -> list[Any]:
-        leaves = jax.tree.leaves(rest)
-        static = {i for i, _ in self.static}
-        return [x for i, x in enumerate(leaves) if i not in static]
-
-
-def _analyze_rest(rest: Any) -> tuple[_RestSpec, list[Any]]:
-    leaves, treedef = jax.tree.flatten(rest)
-    static, dynamic = [], []
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, jax.Array | np.ndarray):
-            dynamic.append(leaf)
-        else:
-            static.append((i, leaf))
-    return _RestSpec(treedef, tuple(static), partition.has_state_vars(rest)), dynamic
-
-
-class _RestCache:
-    """Remembers the split of the last ``model_without_params`` seen (by identity)."""
-
-    def __init__(self, make_fn: Callable[[_RestSpec, Any], Callable[..., Any]]):
-        self._make_fn = make_fn
-        self._fns: dict[tuple[_RestSpec, Any], Callable[..., Any]] = {}
-        self._key: tuple[Any, Any] | None = None
-        self.spec: _RestSpec | None = None
-        self.stateful = False  # spec.stateful, read on the per-step path
-        self.dynamic: list[Any] = []
-        self.fn: Callable[..., Any] | None = None
-
-    def lookup(self, rest: Any, optimizer_def: Any) -> None:
-        key = self._key
-        if key is not None and key[0] is rest and key[1] is optimizer_def:
-            return
-        spec, dynamic = _analyze_rest(rest)
-        fn_key = (spec, optimizer_def)
-        if fn_key not in self._fns:
-            self._fns[fn_key] = self._make_fn(spec, optimizer_def)
-        self._key, self.spec, self.dynamic = (rest, optimizer_def), spec, dynamic
-        self.stateful = spec.stateful
-        self.fn = self._fns[fn_key]
-
-    def remember(self, rest: Any, optimizer_def: Any, dynamic: list[Any]) -> None:
-        """Records a new rest object built from ``dynamic`` with the same spec."""
-        self._key, self.dynamic = (rest, optimizer_def), dynamic
-
-
-# ----------------------------------------------------------------------------
-# checks that run while tracing (free at run time)
-
-
-def _leaf_desc(x: Any) -> str:
-    return f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}"
-
-
-def _check_batch(batch: dict[str, Any], steps_per_call: int) -> None:
-    leading: dict[str, int] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        name = jax.tree_util.keystr(path, simple=True, separator="/")
-        shape = np.shape(leaf)
-        if steps_per_call > 1:
-            if not shape or shape[0] != steps_per_call:
-                raise ValueError(
-                    f"With steps_per_call={steps_per_call} every batch leaf needs a "
-                    f"leading axis of {steps_per_call} (one slice per step); "
-                    f"batch[{name!r}] has shape {list(shape)}. Stack "
-                    f"{steps_per_call} batches along a new axis 0."
-                )
-        elif shape:
-            leading[name] = shape[0]
-    if len(set(leading.values())) > 1:
-        raise ValueError(
-            "Batch leaves must share their leading (batch) axis; got "
-            + ", ".join(f"{k}: {v}" for k, v in leading.items())
-            + "."
-        )
-
-
-def _check_loss_output(out: Any, loss_fn_state: Any) -> tuple[Any, Any, Any]:
-    if not isinstance(out, tuple) or len(out) != 3:
-        if isinstance(out, tuple):
-            got = f"a tuple of length {len(out)}"
-        elif hasattr(out, "shape"):
-            got = f"a {_leaf_desc(out)} array"
-        else:
-            got = type(out).__name__
-        raise TypeError(
-            "The loss function must return a 3-tuple (loss, new_state, aux); got "
-            f"{got}. Return (loss, state, {{}}) if you have no state or aux."
-        )
-    loss, new_state, aux = out
-    if np.shape(loss) != ():
-        raise ValueError(
-            f"The loss must be a scalar; got shape {list(np.shape(loss))}. Reduce it "
-            "(e.g. jnp.mean) before returning."
-        )
-    if not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
-        raise TypeError(
-            f"The loss must be a floating-point scalar; got {jnp.result_type(loss)}."
-        )
-    want, got_def = jax.tree.structure(loss_fn_state), jax.tree.structure(new_state)
-    if want != got_def:
-        raise ValueError(
-            "The loss function's new_state must have the structure of the "
-            f"loss_fn_state it was given; expected {want}, got {got_def}."
-        )
-    for (path, a), b in zip(
-        jax.tree_util.tree_flatten_with_path(loss_fn_state)[0],
-        jax.tree.leaves(new_state),
-        strict=True,
-    ):
-        if np.shape(a) != np.shape(b) or jnp.result_type(a) != jnp.result_type(b):
-            raise ValueError(
-                f"The loss function's new_state{jax.tree_util.keystr(path)} is "
-                f"{_leaf_desc(b)} but loss_fn_state holds {_leaf_desc(a)}; keep "
-                "shapes and dtypes fixed across steps."
-            )
-    return loss, new_state, aux
-
-
-# ----------------------------------------------------------------------------
-# the pure step
-
-
-def _loss(loss_fn, spec: _RestSpec, params, rest_dyn, lfs, rng, batch):
-    """``(loss, (new_lfs, aux, new_rest_dyn))`` of the merged model on ``batch``.
-
-    ``new_rest_dyn`` holds the rest's new arrays if state variables changed.
-    """
-    rest = spec.build(rest_dyn)
-    if spec.stateful:
-        rest = partition.thaw_state_vars(rest)
-    model = partition.merge(params, rest)
-    out = loss_fn(model=model, state=lfs, rng=rng, **batch)
-    loss, new_lfs, aux = _check_loss_output(out, lfs)
-    new_rest_dyn = None
-    if spec.stateful:
-        new_rest_dyn = spec.dynamic_of(partition.freeze_state_vars(rest))
-    return loss, (new_lfs, aux, new_rest_dyn)
-
-
-def _grads(loss_fn, spec: _RestSpec, params, rest_dyn, lfs, rng, batch):
-    """Loss, aux, new state and grads; the new rest arrays if state vars changed."""
-
-    def loss_of(params):
-        return _loss(loss_fn, spec, params, rest_dyn, lfs, rng, batch)
-
-    (loss, (new_lfs, aux, new_rest_dyn)), grads = jax.value_and_grad(
-        loss_of, has_aux=True
-    )(params)
-    return loss, new_lfs, aux, new_rest_dyn, grads
-
-
-def _train_step_fn(loss_fn, spec, optimizer_def, steps_per_call, accumulate=False):
-    """The pure function that a `TrainStep` jits for one model structure.
-
-    With ``accumulate``, it takes and returns `pztrain.metrics.MetricSums` in
-    place of returning ``aux``: the metrics of every step are summed on device.
+    The last lookup is remembered by identity: a run passes the same
+    ``model_without_params`` and optimizer objects call after call, so the
+    per-call cost is two ``is`` checks.
     """
 
-    def one(step, root_rng, params, opt_state, lfs, rest_dyn, acc, batch):
-        rng = jax.random.fold_in(root_rng, step)
-        loss, new_lfs, aux, new_rest_dyn, grads = _grads(
-            loss_fn, spec, params, rest_dyn, lfs, rng, batch
-        )
-        new_params, new_opt_state = optimizer_update(
-            optimizer_def, grads, opt_state, params
-        )
-        if accumulate:
-            acc, aux = metrics.add(acc, loss, aux, step), None
-        new_dyn = new_rest_dyn if spec.stateful else None
-        return (step + 1, new_params, new_opt_state, new_lfs, new_dyn, acc), aux
+    def __init__(self, build: Callable[[RestSpec, Any], Any]):
+        self._build = build
+        self._built: dict[tuple[RestSpec, Any], Any] = {}
+        self._last: tuple[Any, Any, tuple[Any, RestSpec, list[Any]]] | None = None
 
-    def fn(step, root_rng, params, opt_state, lfs, rest_dyn, acc, batch):
-        if isinstance(batch, IndexedBatches):
-            batch = batch.take(step, steps_per_call)
-        _check_batch(batch, steps_per_call)
-        if steps_per_call == 1:
-            return one(step, root_rng, params, opt_state, lfs, rest_dyn, acc, batch)
+    def lookup(self, rest: Any, optimizer_def: Any) -> tuple[Any, RestSpec, list]:
+        """``(program, spec, rest_arrays)`` for a state's rest and optimizer."""
+        last = self._last
+        if last is not None and last[0] is rest and last[1] is optimizer_def:
+            return last[2]
+        spec, arrays = split_rest(rest)
+        return self._remember(rest, optimizer_def, spec, arrays)
 
-        def body(carry, batch_slice):
-            step, params, opt_state, lfs, dyn, acc = carry
-            out, aux = one(
-                step, root_rng, params, opt_state, lfs, dyn, acc, batch_slice
-            )
-            return (*out[:4], out[4] if spec.stateful else dyn, out[5]), aux
+    def rebuild(self, spec: RestSpec, arrays: list[Any], optimizer_def: Any) -> Any:
+        """The rest built from new arrays (state variables), remembered."""
+        rest = spec.build(arrays)
+        self._remember(rest, optimizer_def, spec, arrays)
+        return rest
 
-        carry = (step, params, opt_state, lfs, rest_dyn, acc)
-        carry, aux = jax.lax.scan(body, carry, batch)
-        if not spec.stateful:
-            carry = (*carry[:4], None, carry[5])
-        return carry, aux
-
-    return fn
+    def _remember(self, rest, optimizer_def, spec, arrays):
+        key = (spec, optimizer_def)
+        if key not in self._built:
+            self._built[key] = self._build(spec, optimizer_def)
+        found = (self._built[key], spec, arrays)
+        self._last = (rest, optimizer_def, found)
+        return found
 
 
-def _stretch_fn(loss_fn, spec, optimizer_def, steps_per_call):
-    """`pztrain.fit`'s accumulating step: the step counter rides in the sums.
+class _Train:
+    """The programs of a train step for one model structure and optimizer."""
 
-    ``(root_rng, params, opt_state, lfs, rest_dyn, carry, batch) -> (params,
-    opt_state, lfs, carry)``, where ``carry`` is `pztrain.metrics.MetricSums`
-    carrying the step. On CPU each buffer in or out of a jitted call costs
-    about a microsecond of dispatch, a few percent of a small model's step.
-    """
-    fn = _train_step_fn(loss_fn, spec, optimizer_def, steps_per_call, accumulate=True)
+    def __init__(self, step: Any, grads: Callable[[], Any], aux: Any):
+        self.step = step  # (Carry, Inputs) -> (Carry, new rest arrays, aux)
+        self._make_grads = grads
+        self._grads = None
+        self.aux = aux  # forward-only aux, for metric names
+        self.metric_names: dict[Any, tuple[str, ...]] = {}
 
-    def stretch(root_rng, params, opt_state, lfs, rest_dyn, carry, batch):
-        acc, step = metrics.split_step(carry)
-        (step, params, opt_state, lfs, _, acc), _ = fn(
-            step, root_rng, params, opt_state, lfs, rest_dyn, acc, batch
-        )
-        return params, opt_state, lfs, metrics.with_step(acc, step)
-
-    return stretch
-
-
-def _shapes_key(tree: Any) -> tuple[Any, ...]:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
-
-
-def _batch_arg(batches: Any, batch: dict[str, Any]) -> Any:
-    if batches is None:
-        return batch
-    if batch or not isinstance(batches, IndexedBatches):
-        raise TypeError(
-            "Pass the batch as keyword arguments (train_step(state, x=..., y=...)) "
-            "or one pztrain.data.IndexedBatches positionally, not both; got "
-            f"{type(batches).__name__} and keys {sorted(batch)}."
-        )
-    return batches
-
-
-def _fast_replace(
-    state: TrainState, step: Any, params: Any, opt_state: Any, lfs: Any, **more: Any
-) -> TrainState:
-    """``state.replace(...)`` of what a step changes, without ``__init__``.
-
-    The per-step hot path: the new state's ``__dict__`` is filled directly.
-    """
-    new = object.__new__(type(state))
-    fields = new.__dict__
-    fields.update(state.__dict__)
-    fields["step"] = step
-    fields["params"] = params
-    fields["opt_state"] = opt_state
-    fields["loss_fn_state"] = lfs
-    if more:
-        fields.update(more)
-    return new
-
-
-def _donation_error(state: TrainState, err: Exception) -> None:
-    try:
-        state.check_not_donated("train_step(state, ...)")
-    except DonatedStateError as donated:
-        raise donated from err
+    @property
+    def grads(self) -> Any:
+        if self._grads is None:
+            self._grads = self._make_grads()
+        return self._grads
 
 
 class TrainStep:
     """A built train step: ``train_step(state, **batch) -> (state, aux)``.
 
-    Build it with `build_train_step`. Besides the call, it exposes the pieces of a
-    step: `compute_grads` (loss, aux and grads without applying them) and `lower`
-    (the lowered jitted step, e.g. for ``.compile().memory_analysis()``).
+    Build it with `build_train_step`. Besides the call: `accumulate` (steps that
+    add their metrics to on-device sums instead of returning aux, what
+    `pztrain.fit` runs), `compute_grads` (loss, aux and grads without applying
+    them) and `lower` (the lowered jitted step, e.g. for
+    ``.compile().memory_analysis()``).
 
     Attributes:
       loss_fn: The loss function.
       jit: Whether the step is jitted.
-      donate: Whether params, optimizer state and loss-function state are donated.
+      donate: Whether the step counter, params, optimizer state, loss-function
+        state and metric sums are donated.
       steps_per_call: Steps fused in one call (a ``lax.scan``).
     """
 
@@ -387,253 +162,147 @@ class TrainStep:
         self.steps_per_call = steps_per_call
         self._state_shardings = state_shardings
         self._batch_shardings = batch_shardings
-        self._cache = _RestCache(self._make)
-        self._acc_cache = _RestCache(self._make_accumulating)
-        self._stretch_cache = _RestCache(self._make_stretch)
-        self._grads_cache = _RestCache(self._make_grads)
-        self._metric_names: dict[Any, list[str]] = {}
+        self._programs = _Programs(self._build)
 
-    def _jit_kwargs(self, accumulate: bool) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {}
-        if self.donate:
-            kwargs["donate_argnums"] = (0, 2, 3, 4, 6) if accumulate else (0, 2, 3, 4)
-        sh = self._state_shardings
-        if sh is not None or self._batch_shardings is not None:
-            p = getattr(sh, "params", None)
-            o = getattr(sh, "opt_state", None)
-            f = getattr(sh, "loss_fn_state", None)
-            b = self._batch_shardings
-            kwargs["in_shardings"] = (None, None, p, o, f, None, None, b)
-            kwargs["out_shardings"] = ((None, p, o, f, None, None), None)
-        return kwargs
-
-    def _make(self, spec: _RestSpec, optimizer_def: Any, accumulate=False):
-        fn = _train_step_fn(
-            self.loss_fn, spec, optimizer_def, self.steps_per_call, accumulate
-        )
-        return jax.jit(fn, **self._jit_kwargs(accumulate)) if self.jit else fn
-
-    def _make_accumulating(self, spec: _RestSpec, optimizer_def: Any):
-        return self._make(spec, optimizer_def, accumulate=True)
-
-    def _make_stretch(self, spec: _RestSpec, optimizer_def: Any):
-        fn = _stretch_fn(self.loss_fn, spec, optimizer_def, self.steps_per_call)
+    def _build(self, spec: RestSpec, optimizer_def: Any) -> _Train:
+        k, loss_fn = self.steps_per_call, self.loss_fn
+        step = _step_fns.train_fn(loss_fn, spec, optimizer_def, k)
+        grads = _step_fns.grads_fn(loss_fn, spec)
+        aux = _step_fns.aux_fn(loss_fn, spec)
         if not self.jit:
-            return fn
-        kwargs: dict[str, Any] = {}
+            return _Train(step, lambda: grads, aux)
+        return _Train(jax.jit(step, **self._jit_options()), lambda: jax.jit(grads), aux)
+
+    def _jit_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {}
         if self.donate:
-            kwargs["donate_argnums"] = (1, 2, 3, 5)
-        full = self._jit_kwargs(accumulate=True)
-        if "in_shardings" in full:  # the same, without the step's entries
-            ins, (outs, _) = full["in_shardings"], full["out_shardings"]
-            kwargs["in_shardings"] = ins[1:]
-            kwargs["out_shardings"] = (*outs[1:4], outs[5])
-        return jax.jit(fn, **kwargs)
-
-    def _make_grads(self, spec: _RestSpec, optimizer_def: Any) -> Callable[..., Any]:
-        del optimizer_def
-
-        def fn(step, root_rng, params, lfs, rest_dyn, batch):
-            _check_batch(batch, 1)
-            rng = jax.random.fold_in(root_rng, step)
-            loss, lfs, aux, _, grads = _grads(
-                self.loss_fn, spec, params, rest_dyn, lfs, rng, batch
-            )
-            return StepOutputs(loss, lfs, aux, grads)
-
-        return jax.jit(fn) if self.jit else fn
+            options["donate_argnames"] = "carry"
+        if self._state_shardings is None and self._batch_shardings is None:
+            return options
+        sh = self._state_shardings
+        carry = Carry(
+            step=None,
+            params=getattr(sh, "params", None),
+            opt_state=getattr(sh, "opt_state", None),
+            loss_fn_state=getattr(sh, "loss_fn_state", None),
+            sums=None,
+        )
+        inputs = Inputs(root_rng=None, rest=None, batch=self._batch_shardings)
+        options["in_shardings"] = (carry, inputs)
+        options["out_shardings"] = (carry, None, None)
+        return options
 
     def __call__(
-        self, state: TrainState, batches: IndexedBatches | None = None, /, **batch: Any
+        self, state: TrainState, batch: Any = None, /, **arrays: Any
     ) -> tuple[TrainState, Any]:
-        """Runs ``steps_per_call`` optimizer steps on ``batch``.
+        """Runs ``steps_per_call`` optimizer steps on a batch.
 
         Args:
           state: The current state. With donation on, its arrays are consumed:
             keep using the returned state.
-          batches: Instead of ``**batch``: `pztrain.data.IndexedBatches` on
-            device, from which the step takes the batch of its own step.
-          **batch: Batch arrays; with ``steps_per_call=k`` each has a leading
-            axis ``k``.
+          batch: Instead of keyword arrays: one batch dict, or batches on device
+            (`OnDeviceBatches`, e.g. `pztrain.data.IndexedBatches`) from which
+            the step takes the batch of its own step.
+          **arrays: The batch arrays; with ``steps_per_call=k`` each has a
+            leading axis ``k``.
 
         Returns:
           ``(new_state, aux)``; with ``steps_per_call=k`` the aux leaves are
           stacked along a leading axis ``k``.
         """
-        if batches is not None:
-            batch = _batch_arg(batches, batch)
-        out = self._call(self._cache, state, None, batch)
-        return out[0], out[2]
+        state, _, aux = self._run(state, None, _one_batch(batch, arrays), 1)
+        return state, aux
 
     def accumulate(
         self,
         state: TrainState,
-        sums: metrics.MetricSums,
-        batches: IndexedBatches | None = None,
+        sums: MetricSums,
+        batch: Any = None,
         /,
-        **batch: Any,
-    ) -> tuple[TrainState, metrics.MetricSums]:
+        *,
+        calls: int = 1,
+        **arrays: Any,
+    ) -> tuple[TrainState, MetricSums]:
         """Like calling the step, but adds the metrics to on-device ``sums``.
 
-        The loss and every scalar leaf of ``aux`` are summed inside the same
-        jitted call (`pztrain.metrics`); nothing is read back to the host. Start
-        from `metric_sums`. ``sums`` is donated along with the state.
+        The loss and every scalar leaf of aux are summed inside the same jitted
+        call; nothing is read back to the host (read the sums with
+        ``sums.read()`` when you log). Start from `metric_sums`; ``sums`` is
+        donated along with the state.
+
+        Args:
+          state: The current state.
+          sums: The sums so far.
+          batch: A batch dict or `OnDeviceBatches`, or keyword ``arrays``.
+          calls: Run this many calls in a row, passing the arrays from one to
+            the next (the state is rebuilt once, at the end). Each call takes
+            the batch of its own step from `OnDeviceBatches`; a dict batch is
+            trained on ``calls`` times.
+          **arrays: The batch arrays.
+
+        Returns:
+          ``(new_state, new_sums)``.
         """
-        return self._accumulate(state, sums, _batch_arg(batches, batch))
+        state, sums, _ = self._run(state, sums, _one_batch(batch, arrays), calls)
+        return state, sums
 
-    def _accumulate(
-        self, state: TrainState, sums: metrics.MetricSums, batch: Any
-    ) -> tuple[TrainState, metrics.MetricSums]:
-        """`accumulate` with the batch (a dict or `IndexedBatches`) as one value.
+    def _run(self, state: TrainState, sums: Any, batch: Any, calls: int):
+        """``calls`` calls of the jitted step: ``(new_state, sums, aux)``.
 
-        `pztrain.fit` calls this between log points: like ``__call__`` it has a
-        lean path for the common case (same model structure as the last call,
-        no state variables), the per-step hot path of the loop.
+        The one hot path of every call, `accumulate` and `pztrain.fit`.
         """
-        new_state, sums, _ = self._call(self._acc_cache, state, sums, batch)
-        return new_state, sums
-
-    def _accumulate_calls(
-        self,
-        state: TrainState,
-        carry: metrics.MetricSums,
-        batches: IndexedBatches,
-        calls: int,
-    ) -> tuple[TrainState, metrics.MetricSums]:
-        """``calls`` accumulating calls on one `IndexedBatches` (fit's inner loop).
-
-        ``carry`` is `pztrain.metrics.MetricSums` that carries the step, equal
-        to ``state.step`` (`pztrain.metrics.with_step`). The calls pass the
-        state's arrays straight from one to the next, with the step inside the
-        sums (one buffer less each way per call); the new `TrainState` is built
-        once, at the end, with its step read out of the sums by one more call.
-        """
-        if calls < 1:
-            return state, carry
-        cache = self._stretch_cache
-        cache.lookup(state.model_without_params, state.optimizer_def)
-        if cache.spec.stateful:  # the model's arrays change with every call
-            sums, _ = metrics._split_step(carry)
-            for _ in range(calls):
-                state, sums, _ = self._call(self._acc_cache, state, sums, batches)
-            return state, metrics._with_step(sums, state.step)
-        fn, dyn, root = cache.fn, cache.dynamic, state.root_rng
+        optimizer_def = state.optimizer_def
+        train, spec, rest = self._programs.lookup(
+            state.model_without_params, optimizer_def
+        )
+        carry = Carry(
+            state.step, state.params, state.opt_state, state.loss_fn_state, sums
+        )
+        inputs = Inputs(state.root_rng, rest, batch)
         try:
-            params, opt_state, lfs, carry = fn(
-                root,
-                state.params,
-                state.opt_state,
-                state.loss_fn_state,
-                dyn,
-                carry,
-                batches,
-            )
+            carry, new_rest, aux = train.step(carry, inputs)
         except (RuntimeError, ValueError) as err:
             _donation_error(state, err)
             raise
         for _ in range(calls - 1):
-            params, opt_state, lfs, carry = fn(
-                root, params, opt_state, lfs, dyn, carry, batches
-            )
-        step = metrics._step_of(carry)
-        return _fast_replace(state, step, params, opt_state, lfs), carry
-
-    def _call(self, cache: _RestCache, state: TrainState, sums: Any, batch: Any):
-        """One call of the jitted step: ``(new_state, sums, aux)``.
-
-        The per-step hot path, kept lean for the common case (the same model
-        structure as the last call, no state variables); anything else goes
-        through `_run`.
-        """
-        key, fields = cache._key, state.__dict__
-        if (
-            key is not None
-            and key[0] is fields["model_without_params"]
-            and key[1] is fields["optimizer_def"]
-            and not cache.stateful
-        ):
-            try:  # `_args` and `_fast_replace`, written out: the per-step path
-                (step, params, opt_state, lfs, _, sums), aux = cache.fn(
-                    fields["step"],
-                    fields["root_rng"],
-                    fields["params"],
-                    fields["opt_state"],
-                    fields["loss_fn_state"],
-                    cache.dynamic,
-                    sums,
-                    batch,
-                )
-            except (RuntimeError, ValueError) as err:
-                _donation_error(state, err)
-                raise
-            new_state = object.__new__(type(state))
-            new_fields = new_state.__dict__
-            new_fields.update(fields)
-            new_fields["step"] = step
-            new_fields["params"] = params
-            new_fields["opt_state"] = opt_state
-            new_fields["loss_fn_state"] = lfs
-            return new_state, sums, aux
-        return self._run(cache, state, sums, batch)
+            if new_rest is not None:
+                inputs = Inputs(inputs.root_rng, new_rest, batch)
+            carry, new_rest, aux = train.step(carry, inputs)
+        new = state.replace(
+            step=carry.step,
+            params=carry.params,
+            opt_state=carry.opt_state,
+            loss_fn_state=carry.loss_fn_state,
+        )
+        if new_rest is not None:
+            rest = self._programs.rebuild(spec, new_rest, optimizer_def)
+            new = new.replace(model_without_params=rest)
+        return new, carry.sums, aux
 
     def metric_sums(
-        self, state: TrainState, batches: IndexedBatches | None = None, /, **batch: Any
-    ) -> metrics.MetricSums:
-        """Zero sums for the metrics this step produces on ``batch``.
+        self, state: TrainState, batch: Any = None, /, **arrays: Any
+    ) -> MetricSums:
+        """Zero sums for the metrics this step produces on a batch like ``batch``.
 
         The metric names come from tracing the loss function once, forward only
         (``jax.eval_shape``); nothing runs on the device.
         """
-        cache = self._cache
-        cache.lookup(state.model_without_params, state.optimizer_def)
-        batch = _batch_arg(batches, batch)
-        if isinstance(batch, IndexedBatches):
+        batch = _one_batch(batch, arrays)
+        if not isinstance(batch, Mapping):
             batch = batch.batch_shapes()
         elif self.steps_per_call > 1:  # the metrics of one step, from one slice
-            batch = jax.tree.map(lambda x: x[0], batch)
-        args = self._args(cache, state, None, batch)
-        key = (cache.spec, state.optimizer_def, _shapes_key(args))
-        if key not in self._metric_names:
-            loss_fn, spec = self.loss_fn, cache.spec
-
-            def aux_of(step, root_rng, params, opt_state, lfs, rest_dyn, sums, batch):
-                del opt_state, sums
-                rng = jax.random.fold_in(root_rng, step)
-                return _loss(loss_fn, spec, params, rest_dyn, lfs, rng, batch)[1][1]
-
-            aux = jax.eval_shape(aux_of, *args)
-            self._metric_names[key] = metrics.metric_names(aux)
-        return metrics.zeros(self._metric_names[key])
-
-    @staticmethod
-    def _args(cache, state, sums, batch):
-        return (
-            state.step,
-            state.root_rng,
-            state.params,
-            state.opt_state,
-            state.loss_fn_state,
-            cache.dynamic,
-            sums,
-            batch,
+            batch = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch
+            )
+        train, _, rest = self._programs.lookup(
+            state.model_without_params, state.optimizer_def
         )
-
-    def _run(self, cache, state, sums, batch):
-        rest = state.model_without_params
-        cache.lookup(rest, state.optimizer_def)
-        try:
-            out, aux = cache.fn(*self._args(cache, state, sums, batch))
-        except (RuntimeError, ValueError) as err:
-            _donation_error(state, err)
-            raise
-        step, params, opt_state, lfs, new_dyn, sums = out
-        if new_dyn is not None:
-            rest = cache.spec.build(new_dyn)
-            cache.remember(rest, state.optimizer_def, new_dyn)
-        new_state = _fast_replace(
-            state, step, params, opt_state, lfs, model_without_params=rest
-        )
-        return new_state, sums, aux
+        carry, inputs = _args(state, rest, batch, opt_state=False)
+        key = _shapes_key((carry, inputs))
+        if key not in train.metric_names:
+            aux = jax.eval_shape(train.aux, carry, inputs)
+            train.metric_names[key] = tuple(metric_names(aux))
+        return MetricSums.zeros(train.metric_names[key])
 
     def compute_grads(self, state: TrainState, **batch: Any) -> StepOutputs:
         """Loss, new loss-function state, aux and grads for one batch; no update.
@@ -641,31 +310,63 @@ class TrainStep:
         Uses the same key as the step would (``fold_in(root_rng, step)``) and
         donates nothing. Apply the grads with ``state.apply_gradients(grads)``.
         """
-        cache = self._grads_cache
-        cache.lookup(state.model_without_params, None)
-        return cache.fn(
-            state.step,
-            state.root_rng,
-            state.params,
-            state.loss_fn_state,
-            cache.dynamic,
-            batch,
+        train, _, rest = self._programs.lookup(
+            state.model_without_params, state.optimizer_def
         )
+        return train.grads(*_args(state, rest, batch, opt_state=False))
 
     def lower(
-        self, state: TrainState, batches: IndexedBatches | None = None, /, **batch: Any
+        self, state: TrainState, batch: Any = None, /, **arrays: Any
     ) -> jax.stages.Lowered:
-        """Lowers the jitted step for ``state`` and ``batch`` (nothing runs).
+        """Lowers the jitted step for ``state`` and a batch (nothing runs).
 
-        The batch is given as in a call: keyword arrays or one
-        `pztrain.data.IndexedBatches`.
+        The batch is given as in a call: keyword arrays, a dict or
+        `OnDeviceBatches`.
         """
         if not self.jit:
             raise ValueError("lower() needs a jitted step: build it with jit=True.")
-        batch = _batch_arg(batches, batch)
-        cache = self._cache
-        cache.lookup(state.model_without_params, state.optimizer_def)
-        return cache.fn.lower(*self._args(cache, state, None, batch))
+        train, _, rest = self._programs.lookup(
+            state.model_without_params, state.optimizer_def
+        )
+        return train.step.lower(*_args(state, rest, _one_batch(batch, arrays)))
+
+
+def _args(state: TrainState, rest: list, batch: Any, opt_state: bool = True):
+    """The ``(Carry, Inputs)`` of ``state`` (optimizer state left out if not
+    needed, so that it is not passed in)."""
+    carry = Carry(
+        state.step,
+        state.params,
+        state.opt_state if opt_state else None,
+        state.loss_fn_state,
+    )
+    return carry, Inputs(state.root_rng, rest, batch)
+
+
+def _one_batch(batch: Any, arrays: dict[str, Any]) -> Any:
+    """The batch of a call: keyword arrays or one positional batch, not both."""
+    if batch is None:
+        return arrays
+    if arrays:
+        raise TypeError(
+            "Pass the batch as keyword arguments (train_step(state, x=..., y=...)) "
+            "or as one positional batch (a dict, or batches on device such as "
+            f"pztrain.data.IndexedBatches), not both; got {type(batch).__name__} "
+            f"and keys {sorted(arrays)}."
+        )
+    return batch
+
+
+def _shapes_key(tree: Any) -> tuple[Any, ...]:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
+
+
+def _donation_error(state: TrainState, err: Exception) -> None:
+    try:
+        state.check_not_donated("train_step(state, ...)")
+    except DonatedStateError as donated:
+        raise donated from err
 
 
 def build_train_step(
@@ -684,16 +385,14 @@ def build_train_step(
     given, so memory holds one copy of them. The old state is then consumed;
     using it again raises `pztrain.DonatedStateError`.
     ``TrainState.initial_state`` copies the model's arrays, so the model you
-    built is never donated. Pass ``donate=False`` to keep old states alive (e.g.
-    to compare two steps).
+    built is never donated. Pass ``donate=False`` to keep old states alive.
 
     Args:
       loss_fn: ``loss_fn(*, model, state, rng, **batch) -> (loss, new_state,
         aux)``.
       jit: Whether to ``jax.jit`` the step (``False`` runs eagerly, for
         debugging).
-      donate: Donate step counter, params, optimizer state and loss-function
-        state (default: the value of ``jit``).
+      donate: Donate what the step updates (default: the value of ``jit``).
       steps_per_call: Fuse this many steps into one call with ``lax.scan``;
         every batch leaf then has a leading axis of this size, and the keys are
         those of as many single steps.
@@ -754,36 +453,18 @@ class EvalStep:
     def __init__(self, eval_fn: EvalFunction, *, jit: bool):
         self.eval_fn = eval_fn
         self.jit = jit
-        self._cache = _RestCache(self._make)
+        self._programs = _Programs(self._build)
 
-    def _make(self, spec: _RestSpec, optimizer_def: Any) -> Callable[..., Any]:
-        del optimizer_def
-        eval_fn = self.eval_fn
-
-        def fn(step, root_rng, params, lfs, rest_dyn, batch):
-            _check_batch(batch, 1)
-            rng = jax.random.fold_in(jax.random.fold_in(root_rng, step), 1)
-            rest = spec.build(rest_dyn)
-            if spec.stateful:
-                rest = partition.thaw_state_vars(rest)
-            model = partition.merge(params, rest)
-            return eval_fn(model=model, state=lfs, rng=rng, **batch)
-
+    def _build(self, spec: RestSpec, optimizer_def: Any) -> Any:
+        del optimizer_def  # evaluation does not depend on it
+        fn = _step_fns.eval_fn(self.eval_fn, spec)
         return jax.jit(fn) if self.jit else fn
 
     def __call__(self, state: TrainState, **batch: Any) -> Any:
         """Returns ``eval_fn``'s metrics for ``state`` on ``batch``."""
-        cache = self._cache
-        cache.lookup(state.model_without_params, None)
+        fn, _, rest = self._programs.lookup(state.model_without_params, None)
         try:
-            return cache.fn(
-                state.step,
-                state.root_rng,
-                state.params,
-                state.loss_fn_state,
-                cache.dynamic,
-                batch,
-            )
+            return fn(*_args(state, rest, batch, opt_state=False))
         except (RuntimeError, ValueError) as err:
             _donation_error(state, err)
             raise

@@ -585,6 +585,54 @@ def test_progress_bar_with_make_bar_and_metrics():
     assert sum(bar.updates) == 6  # it advanced with the steps
 
 
+def _bar_info(k: int, log_every: int) -> LoopInfo:
+    return LoopInfo(
+        start_step=0,
+        end_step=None,
+        steps_per_epoch=None,
+        steps_per_call=k,
+        log_every=log_every,
+        evaluates=False,
+        run_dir=None,
+    )
+
+
+def test_progress_bar_paces_itself_by_the_clock_it_is_given():
+    """It asks to move about every 0.2 s at the rate it saw; the times are given
+    (as the loop gives them), so nothing sleeps."""
+    pb = ProgressBar(make_bar=FakeBar)
+    pb.on_train_start(None, _bar_info(1, 100))
+    assert pb.on_advance(0, t=0.0) == 10  # a tenth of a log interval at first
+    assert pb.on_advance(10, t=0.001) == 20  # 10,000 steps/s: at most doubles
+    assert pb.on_advance(20, t=0.101) == 40  # 100 steps/s: 20 steps per 0.2 s
+    assert pb.on_advance(40, t=1.101) == 50  # 20 steps/s: at most halves
+    assert pb.on_advance(40, t=2.0) == 50  # no step since: no move, same pace
+    assert pb.bar.updates == [10, 10, 20]
+
+    pb = ProgressBar(make_bar=FakeBar, seconds=1.0)
+    pb.on_train_start(None, _bar_info(1, 100))
+    # At 100 steps/s and one move a second, the interval doubles its way up to
+    # 100 steps; the loop stops where the bar asked (step / 100 seconds).
+    asked = [pb.on_advance(0, t=0.0)]
+    for _ in range(6):
+        asked.append(pb.on_advance(asked[-1], t=asked[-1] / 100))
+    assert asked == [10, 20, 40, 80, 100, 200, 300]
+    assert pb.bar.updates == [10, 10, 20, 40, 20, 100]
+
+
+def test_progress_bar_moves_by_multiples_of_steps_per_call():
+    pb = ProgressBar(make_bar=FakeBar)
+    pb.on_train_start(None, _bar_info(4, 8))
+    assert pb.on_advance(0, t=0.0) == 4  # never less than one call
+    assert pb.on_advance(4, t=1e-5) == 8  # fast: doubles, still a multiple of 4
+    assert pb.on_advance(8, t=100.0) == 12  # slow: never below one call
+    pb = ProgressBar(make_bar=FakeBar)
+    pb.on_train_start(None, _bar_info(2, 2))
+    pb.on_advance(0, t=0.0)
+    assert pb.on_advance(2, t=10.0) == 4
+    assert pb.bar.updates == [2]
+
+
 def test_progress_true_with_real_tqdm(capsys):
     state, _ = run(num_steps=4, log_every=2, progress=True)
     assert int(state.step) == 4

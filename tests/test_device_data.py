@@ -56,14 +56,13 @@ def test_fit_on_device_equals_fit_on_host(k):
     (a, ha), (b, hb) = runs
     np.testing.assert_array_equal(a.params["w"], b.params["w"])
     assert [r["metrics"] for r in ha.records] == [r["metrics"] for r in hb.records]
-    # On device the step rides in the metric sums between host points.
     assert a.step.dtype == b.step.dtype == jnp.int32
     assert int(a.step) == int(b.step) == 12
     assert [r["step"] for r in hb.records] == list(range(2 * k, 13, 2 * k))
 
 
 def test_fit_on_device_continues_from_a_state_a_callback_returns():
-    """A callback's state replaces fit's, step included (the sums pick it up)."""
+    """A callback's state replaces fit's, step included."""
 
     class JumpOnce(pztrain.Callback):
         def __init__(self):
@@ -90,25 +89,6 @@ def test_fit_on_device_continues_from_a_state_a_callback_returns():
     # from what the callback returned.
     assert jump.seen == [4, 1008]
     assert int(state.step) == 1008
-
-
-@pytest.mark.parametrize("step_value", [0, 7, 65535, 65536, 2**24 + 3, 2**31 - 2])
-def test_metric_sums_carry_the_step_exactly(step_value):
-    m = pztrain.metrics
-    plain = jax.jit(m.add)(m.zeros(["loss"]), jnp.float32(2.0), {}, jnp.int32(3))
-    carried = m.with_step(plain, jnp.int32(step_value))
-    assert carried.carries_step and carried.sums.shape == (plain.sums.shape[0] + 2,)
-    sums, got = jax.jit(m.split_step)(carried)
-    assert int(got) == step_value and got.dtype == jnp.int32
-    np.testing.assert_array_equal(sums.sums, plain.sums)
-    summary, fresh = m.read_and_reset(carried)
-    assert summary == m.summarize(plain)
-    assert fresh.carries_step and int(m.split_step(fresh)[1]) == step_value
-    assert m.summarize(fresh).count == 0
-    with pytest.raises(ValueError, match="split_step"):
-        m.add(carried, jnp.float32(1.0), {}, jnp.int32(0))
-    with pytest.raises(ValueError, match="with_step"):
-        m.split_step(plain)
 
 
 def test_resume_mid_epoch_on_device_sees_the_same_batches():
@@ -175,35 +155,6 @@ def test_the_step_slices_its_batch_instead_of_gathering_it():
     text = step.lower(_state(), loader.device_epoch(1)).as_text()
     assert "dynamic_slice" in text
     assert "gather" not in text
-
-
-def test_metric_sums_are_one_array_with_static_names():
-    sums = pztrain.metrics.zeros(["loss", "acc"])
-    leaves, treedef = jax.tree.flatten(sums)
-    assert [leaf.shape for leaf in leaves] == [(6,)]
-    summed = jax.jit(pztrain.metrics.add)(
-        sums, jnp.float32(jnp.nan), {"acc": jnp.float32(0.5)}, jnp.int32(7)
-    )
-    summed = jax.jit(pztrain.metrics.add)(
-        summed, jnp.float32(2.0), {"acc": jnp.float32(1.0)}, jnp.int32(8)
-    )
-    assert jax.tree.structure(summed) == treedef
-    summary = pztrain.metrics.summarize(summed)
-    assert summary.count == 2 and summary.nonfinite == 1
-    assert summary.first_nonfinite_step == 7
-    assert summary.means["acc"] == 0.75 and np.isnan(summary.means["loss"])
-
-
-@pytest.mark.parametrize("first", [0, 7, 65535, 65536, 2**24 + 3, 2**31 - 2])
-def test_metric_sums_keep_the_first_nonfinite_step_exactly(first):
-    add = jax.jit(pztrain.metrics.add)
-    sums = pztrain.metrics.zeros(["loss"])
-    sums = add(sums, jnp.float32(1.0), {}, jnp.int32(first - 1 if first else 0))
-    sums = add(sums, jnp.float32(jnp.inf), {}, jnp.int32(first))
-    sums = add(sums, jnp.float32(jnp.nan), {}, jnp.int32(first + 1))
-    summary = pztrain.metrics.summarize(sums)
-    assert summary.first_nonfinite_step == first
-    assert (summary.count, summary.nonfinite) == (3, 2)
 
 
 def test_metric_names_come_from_a_forward_trace_alone():

@@ -364,11 +364,11 @@ def test_log_points_do_not_wait_for_the_device_unless_a_callback_reads_them():
         """Counts the steps handed to the device; loggers see the count."""
 
         def __init__(self, step):
-            self.count, self._accumulate = 0, step._accumulate
+            self.count, self._accumulate = 0, step.accumulate
 
-        def __call__(self, state, sums, batch):
-            self.count += 1
-            return self._accumulate(state, sums, batch)
+        def __call__(self, state, sums, batch, *, calls=1):
+            self.count += calls
+            return self._accumulate(state, sums, batch, calls=calls)
 
     class SeenAt:
         def __init__(self, counter):
@@ -385,7 +385,7 @@ def test_log_points_do_not_wait_for_the_device_unless_a_callback_reads_them():
 
     for callbacks, late in (([], True), ([WaitOnLog()], False)):
         step = build_train_step(loss_fn)
-        step._accumulate = counter = Dispatches(step)
+        step.accumulate = counter = Dispatches(step)
         logger = SeenAt(counter)
         run(step=step, num_steps=8, log_every=2, callbacks=callbacks, loggers=[logger])
         assert [s for s, _ in logger.seen] == [2, 4, 6, 8]
@@ -704,13 +704,3 @@ def test_a_device_read_in_on_log_is_allowed(d2h_guard):
         state, history = run(num_steps=6, log_every=2, callbacks=[reads])
     assert reads.b[-1] == float(state.params["b"])
     assert len(reads.b) == 3
-
-
-def test_bar_tick_follows_the_rate_within_bounds():
-    from pztrain.loop import _bar_tick
-
-    assert _bar_tick(10, 100, 0.001, 1) == 20  # fast: at most doubles
-    assert _bar_tick(10, 10, 1.0, 1) == 5  # slow: at most halves
-    assert _bar_tick(2, 2, 10.0, 2) == 2  # never below steps_per_call
-    assert _bar_tick(8, 8, 0.0001, 4) == 16  # a multiple of steps_per_call
-    assert _bar_tick(40, 40, 0.1, 1) == 80  # 400 steps/s -> 80 per 0.2 s

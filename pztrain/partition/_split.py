@@ -1,133 +1,25 @@
-"""Split a model into named trainable arrays and the rest, and merge them back.
-
-A model of any supported family is split once, when the training state is built:
-
-* the **params**: a flat ``dict[str, jax.Array]`` of the trainable arrays, keyed by
-  parameter name;
-* the **rest** (``TrainState.model_without_params``): the model itself with a
-  `ParamSlot` in place of each trainable array. Frozen arrays, integer arrays and
-  static Python values stay in the rest.
-
-`merge` puts the arrays back into their slots. Because every family is reduced to
-"a pytree with slots", one merge serves all of them; only naming differs:
-
-======================  ===================================================
-family                  parameter names
-======================  ===================================================
-penzai v2               the ``pz.Parameter`` label (``"mlp/Affine_0/Linear.weights"``)
-penzai v1 (deprecated)  the ``pz.nn.Parameter`` name
-equinox, other pytrees  the key path, ``/``-separated (``"layers/0/weight"``)
-======================  ===================================================
-
-A parameter whose value holds one array (a plain array or a penzai
-``NamedArray``) is named by its label or name alone; one whose value is a pytree of
-several arrays gets one name per array: ``"<label>/<key path inside the value>"``.
-
-**Penzai v2 state variables** (``pz.StateVariable``, e.g. counters or running
-statistics) are not parameters. They are kept, frozen, inside the rest
-(``model_without_params``); the train step unfreezes them for the loss function
-and stores their new values back into ``model_without_params`` of the returned
-state, so their updates persist from step to step.
-"""
+"""Splitting a model into named trainable arrays: one adapter per model family."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
 import sys
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from penzai.core import variables as pz_vars
 
-__all__ = [
-    "ApplyFnModel",
-    "ParamSlot",
-    "PartitionError",
-    "Trainable",
-    "family_of",
-    "freeze_state_vars",
-    "has_state_vars",
-    "merge",
-    "split",
-    "thaw_state_vars",
-    "to_user_model",
-]
-
-Trainable = Callable[[str, Any], bool] | str | None
-"""A trainable filter: ``None`` (every float array), a regex searched in each
-parameter name, or a predicate ``(name, value) -> bool``."""
-
-
-class PartitionError(ValueError):
-    """A model cannot be split into named parameters as asked."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSlot:
-    """Marks where a trainable array was taken out of a model.
-
-    A slot is a pytree node with no children, so flattening a model without its
-    params yields only the arrays that stay behind.
-
-    Attributes:
-      name: The parameter name; the key of the array in ``TrainState.params``.
-    """
-
-    name: str
-
-
-jax.tree_util.register_static(ParamSlot)
-
-
-@dataclasses.dataclass(frozen=True)
-class ApplyFnModel:
-    """A Flax-style model: an ``apply_fn`` and its params, callable like a model.
-
-    ``ApplyFnModel(apply_fn, params)(*args, **kwargs)`` calls
-    ``apply_fn({"params": params}, *args, **kwargs)``, so a loss function written
-    as ``model(x)`` works for Flax-style states too. ``apply_fn`` is static;
-    ``params`` is the pytree child.
-
-    Attributes:
-      apply_fn: The function that applies the model, e.g. ``module.apply``.
-      params: The parameter pytree (``None`` in ``model_without_params``).
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> m = ApplyFnModel(lambda v, x: v["params"]["w"] * x, {"w": jnp.array(2.0)})
-      >>> m(3.0)
-      Array(6., dtype=float32, weak_type=True)
-    """
-
-    apply_fn: Callable[..., Any]
-    params: Any = None
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.apply_fn({"params": self.params}, *args, **kwargs)
-
-
-jax.tree_util.register_dataclass(
-    ApplyFnModel, data_fields=["params"], meta_fields=["apply_fn"]
+from pztrain._tree import is_array, is_float_array, path_name
+from pztrain.partition._model import (
+    ApplyFnModel,
+    ParamSlot,
+    PartitionError,
+    Trainable,
 )
 
-
-# ----------------------------------------------------------------------------
-# helpers
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, jax.Array | np.ndarray)
-
-
-def _is_inexact_array(x: Any) -> bool:
-    return _is_array(x) and np.issubdtype(x.dtype, np.inexact)
-
-
-def _path_name(path: tuple[Any, ...]) -> str:
-    return jax.tree_util.keystr(path, simple=True, separator="/")
+__all__ = ["family_of", "split"]
 
 
 def _leaf_names(prefix: str, value: Any) -> list[tuple[str, Any]]:
@@ -138,7 +30,7 @@ def _leaf_names(prefix: str, value: Any) -> list[tuple[str, Any]]:
     leaves = jax.tree_util.tree_flatten_with_path(value)[0]
     if len(leaves) == 1:
         return [(prefix, leaves[0][1])]
-    return [(f"{prefix}/{_path_name(path)}", leaf) for path, leaf in leaves]
+    return [(f"{prefix}/{path_name(path)}", leaf) for path, leaf in leaves]
 
 
 def _make_filter(trainable: Trainable) -> Callable[[str, Any], bool]:
@@ -161,7 +53,7 @@ def _make_filter(trainable: Trainable) -> Callable[[str, Any], bool]:
 
 
 def _check_hashable(path: tuple[Any, ...], leaf: Any) -> None:
-    if _is_array(leaf):
+    if is_array(leaf):
         return
     try:
         hash(leaf)
@@ -248,6 +140,7 @@ def split(model: Any, trainable: Trainable = None) -> tuple[dict[str, Any], Any]
 
     Example:
       >>> import jax.numpy as jnp
+      >>> from pztrain.partition import merge
       >>> params, rest = split({"w": jnp.ones(2), "n": jnp.arange(3)})
       >>> list(params), rest["w"]
       (['w'], ParamSlot(name='w'))
@@ -280,8 +173,8 @@ def _split_pytree(model: Any, keep) -> tuple[dict[str, Any], Any]:
     new_leaves = []
     for path, leaf in leaves:
         _check_hashable(path, leaf)
-        name = _path_name(path) or "root"
-        if _is_inexact_array(leaf) and keep(name, leaf):
+        name = path_name(path) or "root"
+        if is_float_array(leaf) and keep(name, leaf):
             names.append((name, f"model{jax.tree_util.keystr(path)}"))
             params[name] = leaf
             new_leaves.append(ParamSlot(name))
@@ -304,7 +197,7 @@ def _take_params(
     taken = []
     new_leaves = []
     for leaf, (name, _) in zip(leaves, named, strict=True):
-        if _is_inexact_array(leaf) and keep(name, leaf):
+        if is_float_array(leaf) and keep(name, leaf):
             params[name] = leaf
             taken.append((name, where))
             new_leaves.append(ParamSlot(name))
@@ -365,95 +258,3 @@ def _split_penzai_v1(model: Any, keep) -> tuple[dict[str, Any], Any]:
     rest = jax.tree_util.tree_map_with_path(replace, model, is_leaf=is_param)
     _check_unique(names)
     return params, rest
-
-
-# ----------------------------------------------------------------------------
-# merge
-
-
-def _is_slot(x: Any) -> bool:
-    return isinstance(x, ParamSlot)
-
-
-def merge(params: Mapping[str, Any] | Any, rest: Any) -> Any:
-    """Puts ``params`` back into the slots of ``rest``.
-
-    For penzai v2 the result holds frozen ``pz.ParameterValue`` s, as penzai's own
-    trainer passes to a loss function; `to_user_model` turns them back into
-    ``pz.Parameter`` variables.
-
-    Args:
-      params: The dict from `split` (or, for an `ApplyFnModel`, its params).
-      rest: The model without params from `split`.
-
-    Returns:
-      The model with every slot filled.
-
-    Raises:
-      PartitionError: if a slot's name is missing from ``params``.
-    """
-    if isinstance(rest, ApplyFnModel):
-        return dataclasses.replace(rest, params=params)
-
-    def fill(x):
-        if _is_slot(x):
-            try:
-                return params[x.name]
-            except KeyError:
-                raise PartitionError(
-                    f"Parameter {x.name!r} is missing from params (it has "
-                    f"{len(params)} entries). Keep every name that split() made."
-                ) from None
-        return x
-
-    return jax.tree.map(fill, rest, is_leaf=_is_slot)
-
-
-def _is_var_value(x: Any) -> bool:
-    return isinstance(x, pz_vars.AbstractVariableValue)
-
-
-def _thaw(tree: Any, is_value: Callable[[Any], bool]) -> Any:
-    """Unfreezes matching variable values; one new variable object per label."""
-    made: dict[Hashable, Any] = {}
-
-    def thaw(x):
-        if not is_value(x):
-            return x
-        slot = x.get_slot()
-        if slot not in made:
-            made[slot] = x.unfreeze_as_copy()
-        return made[slot]
-
-    return jax.tree.map(thaw, tree, is_leaf=is_value)
-
-
-def to_user_model(model: Any) -> Any:
-    """Turns frozen penzai v2 variable values back into mutable variables.
-
-    Each label becomes one new variable object, so shared parameters stay shared.
-    Models of other families are returned unchanged.
-    """
-    return _thaw(model, _is_var_value)
-
-
-def _is_state_value(x: Any) -> bool:
-    return isinstance(x, pz_vars.StateVariableValue)
-
-
-def has_state_vars(rest: Any) -> bool:
-    """Whether ``rest`` holds penzai v2 state variables (their updates persist)."""
-    return any(
-        _is_state_value(x) for x in jax.tree.leaves(rest, is_leaf=_is_state_value)
-    )
-
-
-def thaw_state_vars(rest: Any) -> Any:
-    """Replaces frozen state-variable values by mutable ``pz.StateVariable`` s."""
-    return _thaw(rest, _is_state_value)
-
-
-def freeze_state_vars(rest: Any) -> Any:
-    """The inverse of `thaw_state_vars`: freezes the (possibly updated) variables."""
-    is_var = lambda x: isinstance(x, pz_vars.StateVariable)  # noqa: E731
-    return jax.tree.map(lambda x: x.freeze() if is_var(x) else x, rest, is_leaf=is_var)

@@ -1,0 +1,124 @@
+"""The batch rule, shared by the loaders, `pztrain.fit` and the step's trace.
+
+A batch is a dict of arrays (nested dicts allowed) whose leaves share one leading
+batch axis; with ``steps_per_call=k`` every leaf carries a leading axis of ``k``
+first (one slice per step), then the batch axis. Data that is batched, stacked or
+counted by examples (loaders, `pztrain.fit`, `pztrain.evaluate`) needs that axis on
+every leaf; a train step also takes leaves without one (e.g. a scalar
+temperature), passed to the loss function as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from pztrain._tree import named_leaves
+
+__all__ = ["BatchError", "check_batch", "stack_batches"]
+
+
+class BatchError(ValueError):
+    """A batch is not a dict of arrays with one shared leading axis."""
+
+
+def check_batch(
+    batch: Any,
+    expected_keys: Iterable[str] | None = None,
+    *,
+    steps_per_call: int = 1,
+    scalars: bool = False,
+) -> int | None:
+    """Checks one batch and returns its size (the shared batch axis).
+
+    Works on concrete arrays and on tracers, so the train step applies the same
+    rule while it is traced (at no cost per call).
+
+    Args:
+      batch: A dict of arrays.
+      expected_keys: Keys every batch must have (e.g. those of the first batch).
+      steps_per_call: With ``k > 1``, every leaf has a leading axis ``k`` before
+        its batch axis.
+      scalars: Allow leaves without a batch axis (as a train step does).
+
+    Returns:
+      The batch-axis length shared by the leaves (``None`` if none has one).
+
+    Raises:
+      BatchError: naming the missing key, the non-array leaf, the leaf without a
+        batch axis, or the leaves whose batch axes differ.
+
+    Example:
+      >>> import numpy as np
+      >>> check_batch({"x": np.zeros((4, 2)), "y": np.zeros(4)})
+      4
+      >>> check_batch({"x": np.zeros((2, 4, 3))}, steps_per_call=2)
+      4
+    """
+    if not isinstance(batch, Mapping):
+        raise BatchError(
+            f"A batch must be a dict of arrays (passed to the step as keyword "
+            f"arguments); got {type(batch).__name__}."
+        )
+    _check_keys(batch, expected_keys)
+    sizes: dict[str, int] = {}
+    seen = 0
+    for name, leaf in named_leaves(dict(batch)):
+        if not isinstance(leaf, np.ndarray | jax.Array | np.generic):
+            raise BatchError(
+                f"batch[{name!r}] is a {type(leaf).__name__}, not an array; convert "
+                "it with np.asarray (strings and Python objects cannot enter jit)."
+            )
+        seen += 1
+        size = _batch_axis(name, np.shape(leaf), steps_per_call, scalars)
+        if size is not None:
+            sizes[name] = size
+    if not seen:
+        raise BatchError("A batch needs at least one array.")
+    if len(set(sizes.values())) > 1:
+        raise BatchError(
+            "Batch leaves must share their leading (batch) axis; got "
+            + ", ".join(f"{k}: {v}" for k, v in sizes.items())
+            + "."
+        )
+    return next(iter(sizes.values()), None)
+
+
+def _check_keys(batch: Mapping[str, Any], expected: Iterable[str] | None) -> None:
+    if expected is None:
+        return
+    missing = sorted(set(expected) - set(batch))
+    if missing:
+        raise BatchError(
+            f"Batch is missing key(s) {missing}; it has {sorted(batch)}. Every "
+            "batch needs the same keys."
+        )
+
+
+def _batch_axis(
+    name: str, shape: tuple[int, ...], steps_per_call: int, scalars: bool
+) -> int | None:
+    if steps_per_call > 1:
+        if not shape or shape[0] != steps_per_call:
+            raise BatchError(
+                f"With steps_per_call={steps_per_call} every batch leaf needs a "
+                f"leading axis of {steps_per_call} (one slice per step); "
+                f"batch[{name!r}] has shape {list(shape)}. Stack "
+                f"{steps_per_call} batches along a new axis 0."
+            )
+        shape = shape[1:]
+    if not shape and scalars:
+        return None
+    if not shape:
+        raise BatchError(
+            f"batch[{name!r}] is a scalar; batch leaves need a leading batch axis."
+        )
+    return shape[0]
+
+
+def stack_batches(batches: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Stacks batches along a new leading axis (for ``steps_per_call > 1``)."""
+    return jax.tree.map(lambda *xs: np.stack(xs), *batches)

@@ -1,0 +1,244 @@
+"""The pure functions that train and eval steps jit.
+
+Every one of them takes the same two named pytrees: a `Carry` (what a train step
+updates; donated) and `Inputs` (what it reads). Inside: the step key is
+``fold_in(root_rng, step)``, the params are merged into the model
+(`pztrain.partition.RestSpec.bind`), the loss function runs under
+``jax.value_and_grad`` and optax updates params and optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pztrain._batch import check_batch
+from pztrain._tree import describe
+from pztrain.metrics import MetricSums
+from pztrain.partition import RestSpec
+from pztrain.state import optimizer_update
+
+__all__ = [
+    "Carry",
+    "Inputs",
+    "StepOutputs",
+    "aux_fn",
+    "eval_fn",
+    "grads_fn",
+    "train_fn",
+]
+
+
+class Carry(NamedTuple):
+    """What one call of a train step updates; a jitted step donates it.
+
+    Attributes:
+      step: The step counter (int32 scalar).
+      params: The trainable params.
+      opt_state: The optimizer state (``None`` where it is not needed).
+      loss_fn_state: The loss function's state.
+      sums: On-device metric sums to add each step's metrics to, or ``None``
+        (the step then returns its aux).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    loss_fn_state: Any
+    sums: MetricSums | None = None
+
+
+class Inputs(NamedTuple):
+    """What one call of a step reads and leaves as it was.
+
+    Attributes:
+      root_rng: The base key; step ``s`` uses ``fold_in(root_rng, s)``.
+      rest: The arrays of ``model_without_params`` (`pztrain.partition.split_rest`).
+      batch: A dict of arrays, or batches on device that give each step its own
+        (an object with ``take(step, count)``, e.g.
+        `pztrain.data.IndexedBatches`).
+    """
+
+    root_rng: jax.Array
+    rest: list[Any]
+    batch: Any
+
+
+class StepOutputs(NamedTuple):
+    """What `pztrain.TrainStep.compute_grads` returns.
+
+    Attributes:
+      loss: The scalar loss.
+      loss_fn_state: The loss function's new state.
+      aux: The loss function's aux output.
+      grads: Gradients of the loss with respect to ``state.params``.
+    """
+
+    loss: jax.Array
+    loss_fn_state: Any
+    aux: Any
+    grads: Any
+
+
+StepFn = Callable[[Carry, Inputs], Any]
+
+
+def train_fn(loss_fn, spec: RestSpec, optimizer_def, steps_per_call: int) -> StepFn:
+    """``(carry, inputs) -> (carry, new_rest, aux)``: ``steps_per_call`` steps.
+
+    ``new_rest`` holds the rest's new arrays when the model has state variables
+    (else ``None``). ``aux`` is ``None`` when the carry holds metric sums (the
+    metrics went into them); with ``steps_per_call=k`` its leaves are stacked
+    along a leading axis ``k``.
+    """
+
+    def one(carry: Carry, root_rng, rest, batch) -> tuple[Carry, Any, Any]:
+        rng = jax.random.fold_in(root_rng, carry.step)
+        loss, lfs, aux, new_rest, grads = _loss_and_grads(
+            loss_fn, spec, carry, rest, rng, batch
+        )
+        params, opt_state = optimizer_update(
+            optimizer_def, grads, carry.opt_state, carry.params
+        )
+        sums = carry.sums
+        if sums is not None:
+            sums, aux = sums.add(loss, aux, carry.step), None
+        return Carry(carry.step + 1, params, opt_state, lfs, sums), new_rest, aux
+
+    def run(carry: Carry, inputs: Inputs):
+        batch = _batch_of(inputs.batch, carry.step, steps_per_call)
+        if steps_per_call == 1:
+            return one(carry, inputs.root_rng, inputs.rest, batch)
+
+        def body(pair, batch_slice):
+            carry, rest = pair
+            carry, new_rest, aux = one(carry, inputs.root_rng, rest, batch_slice)
+            return (carry, rest if new_rest is None else new_rest), aux
+
+        (carry, rest), aux = jax.lax.scan(body, (carry, inputs.rest), batch)
+        return carry, rest if spec.stateful else None, aux
+
+    return run
+
+
+def grads_fn(loss_fn, spec: RestSpec) -> StepFn:
+    """``(carry, inputs) -> StepOutputs`` for one batch; nothing is updated."""
+
+    def run(carry: Carry, inputs: Inputs) -> StepOutputs:
+        batch = _batch_of(inputs.batch, carry.step, 1)
+        rng = jax.random.fold_in(inputs.root_rng, carry.step)
+        loss, lfs, aux, _, grads = _loss_and_grads(
+            loss_fn, spec, carry, inputs.rest, rng, batch
+        )
+        return StepOutputs(loss, lfs, aux, grads)
+
+    return run
+
+
+def eval_fn(fn, spec: RestSpec) -> StepFn:
+    """``(carry, inputs) -> metrics``, with key ``fold_in(fold_in(root_rng, step), 1)``.
+
+    State-variable updates are dropped: evaluating changes nothing.
+    """
+
+    def run(carry: Carry, inputs: Inputs) -> Any:
+        batch = _batch_of(inputs.batch, carry.step, 1)
+        rng = jax.random.fold_in(jax.random.fold_in(inputs.root_rng, carry.step), 1)
+        model, _ = spec.bind(carry.params, inputs.rest)
+        return fn(model=model, state=carry.loss_fn_state, rng=rng, **batch)
+
+    return run
+
+
+def aux_fn(loss_fn, spec: RestSpec) -> StepFn:
+    """``(carry, inputs) -> aux`` of the loss alone: forward only, no gradient.
+
+    For `jax.eval_shape`: the metric names of a step, without tracing its
+    backward pass.
+    """
+
+    def run(carry: Carry, inputs: Inputs) -> Any:
+        batch = _batch_of(inputs.batch, carry.step, 1)
+        rng = jax.random.fold_in(inputs.root_rng, carry.step)
+        model, _ = spec.bind(carry.params, inputs.rest)
+        out = loss_fn(model=model, state=carry.loss_fn_state, rng=rng, **batch)
+        return _check_loss_output(out, carry.loss_fn_state)[2]
+
+    return run
+
+
+def _batch_of(batch: Any, step: jax.Array, count: int) -> dict[str, Any]:
+    """The batch of ``step`` (``count`` stacked), checked while tracing."""
+    if not isinstance(batch, Mapping):
+        batch = batch.take(step, count)
+    check_batch(batch, steps_per_call=count, scalars=True)
+    return batch
+
+
+def _loss_and_grads(loss_fn, spec: RestSpec, carry: Carry, rest, rng, batch):
+    """``(loss, new_loss_fn_state, aux, new_rest, grads)`` of one step."""
+
+    def loss_of(params):
+        model, new_rest = spec.bind(params, rest)
+        out = loss_fn(model=model, state=carry.loss_fn_state, rng=rng, **batch)
+        loss, lfs, aux = _check_loss_output(out, carry.loss_fn_state)
+        return loss, (lfs, aux, new_rest())
+
+    (loss, (lfs, aux, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+        carry.params
+    )
+    return loss, lfs, aux, new_rest, grads
+
+
+# ----------------------------------------------------------------------------
+# checks that run while tracing (free at run time)
+
+
+def _check_loss_output(out: Any, loss_fn_state: Any) -> tuple[Any, Any, Any]:
+    if not isinstance(out, tuple) or len(out) != 3:
+        if isinstance(out, tuple):
+            got = f"a tuple of length {len(out)}"
+        elif hasattr(out, "shape"):
+            got = f"a {describe(out)} array"
+        else:
+            got = type(out).__name__
+        raise TypeError(
+            "The loss function must return a 3-tuple (loss, new_state, aux); got "
+            f"{got}. Return (loss, state, {{}}) if you have no state or aux."
+        )
+    loss, new_state, aux = out
+    if np.shape(loss) != ():
+        raise ValueError(
+            f"The loss must be a scalar; got shape {list(np.shape(loss))}. Reduce it "
+            "(e.g. jnp.mean) before returning."
+        )
+    if not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+        raise TypeError(
+            f"The loss must be a floating-point scalar; got {jnp.result_type(loss)}."
+        )
+    _check_new_state(loss_fn_state, new_state)
+    return loss, new_state, aux
+
+
+def _check_new_state(loss_fn_state: Any, new_state: Any) -> None:
+    want, got = jax.tree.structure(loss_fn_state), jax.tree.structure(new_state)
+    if want != got:
+        raise ValueError(
+            "The loss function's new_state must have the structure of the "
+            f"loss_fn_state it was given; expected {want}, got {got}."
+        )
+    for (path, a), b in zip(
+        jax.tree_util.tree_flatten_with_path(loss_fn_state)[0],
+        jax.tree.leaves(new_state),
+        strict=True,
+    ):
+        if np.shape(a) != np.shape(b) or jnp.result_type(a) != jnp.result_type(b):
+            raise ValueError(
+                f"The loss function's new_state{jax.tree_util.keystr(path)} is "
+                f"{describe(b)} but loss_fn_state holds {describe(a)}; keep "
+                "shapes and dtypes fixed across steps."
+            )

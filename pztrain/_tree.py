@@ -1,0 +1,73 @@
+"""The shared vocabulary of pytrees: names of leaves, array tests, descriptions.
+
+Every module that names a leaf (parameters, metrics, batch entries, checkpoint
+entries) or describes one in an error uses these, so a name or a ``float32[3]``
+reads the same everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def path_name(path: Sequence[Any]) -> str:
+    """A key path as a ``/``-separated name: ``"layers/0/weight"``.
+
+    Example:
+      >>> import jax
+      >>> [path_name(p) for p, _ in
+      ...  jax.tree_util.tree_flatten_with_path({"a": [1, 2]})[0]]
+      ['a/0', 'a/1']
+    """
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
+def named_leaves(
+    tree: Any, is_leaf: Callable[[Any], bool] | None = None
+) -> list[tuple[str, Any]]:
+    """The leaves of ``tree`` with their names (see `path_name`), in order."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+    return [(path_name(path), leaf) for path, leaf in flat]
+
+
+def is_array(x: Any) -> bool:
+    """A JAX or NumPy array (tracers included)."""
+    return isinstance(x, jax.Array | np.ndarray)
+
+
+def is_float_array(x: Any) -> bool:
+    """An array of a floating-point or complex dtype, by JAX's dtype rules.
+
+    JAX's rules count ``bfloat16`` and the float8 types as floating point (NumPy's
+    ``np.issubdtype`` does not).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> is_float_array(jnp.zeros(2, jnp.bfloat16)), is_float_array(jnp.arange(2))
+      (True, False)
+    """
+    return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def describe_shape(shape: Sequence[int], dtype: Any) -> str:
+    """``dtype[shape]``, the way errors show an array: ``float32[128, 3]``."""
+    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", str(dtype))
+    return f"{name}{list(shape)}"
+
+
+def describe(x: Any) -> str:
+    """`describe_shape` of an array-like, or the type name of anything else.
+
+    Example:
+      >>> import numpy as np
+      >>> describe(np.zeros((2, 3), np.float32)), describe("text")
+      ('float32[2, 3]', 'str')
+    """
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        return type(x).__name__
+    return describe_shape(np.shape(x), x.dtype)

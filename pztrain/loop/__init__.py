@@ -1,0 +1,16 @@
+"""`fit` and `evaluate`: the training loop, as wiring over small pieces.
+
+* `pztrain.loop._schedule`: where the host points of a run are (pure, no JAX);
+* `pztrain.loop._sources`: the batch sources (host iterables with prefetch,
+  on-device epochs) behind one interface;
+* `pztrain.loop._hooks`: the callbacks as one ordered list, and the loop's one way
+  to read the device;
+* `pztrain.loop._reporting`: log and eval records, read late when nothing waits;
+* `pztrain.loop._fit`: `fit` itself, and the loop over stretches of steps.
+"""
+
+from pztrain.loop._evaluate import evaluate
+from pztrain.loop._fit import fit
+from pztrain.records import History, LoopInfo
+
+__all__ = ["History", "LoopInfo", "evaluate", "fit"]

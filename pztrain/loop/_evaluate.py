@@ -1,0 +1,56 @@
+"""`evaluate`: an eval step's metrics averaged over a dataset, read once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pztrain._batch import BatchError, check_batch
+from pztrain._tree import named_leaves
+from pztrain.loop._hooks import host_reads
+from pztrain.state import TrainState
+from pztrain.step import EvalStep
+
+__all__ = ["evaluate"]
+
+
+@jax.jit
+def _weighted_add(sums: Any, values: Any, n: jax.Array) -> Any:
+    return jax.tree.map(lambda s, v: s + jnp.asarray(v, jnp.float32) * n, sums, values)
+
+
+def evaluate(state: TrainState, eval_step: EvalStep, data: Iterable[Any]) -> dict:
+    """Averages ``eval_step``'s metrics over all batches of ``data``.
+
+    Each batch's metrics are taken as means over that batch and weighted by its
+    size, so a last partial batch counts exactly as much as its examples. The sums
+    stay on device; the host reads them once, at the end.
+
+    Args:
+      state: The state to evaluate.
+      eval_step: From `pztrain.build_eval_step`; its metrics are scalars.
+      data: An `pztrain.ArrayLoader` (one pass, in order: its epoch 0) or any
+        iterable of batch dicts.
+
+    Returns:
+      Metric name → float mean over all examples.
+
+    Raises:
+      BatchError: for an empty ``data`` or a bad batch.
+    """
+    sums, total = None, 0
+    for batch in data:
+        n = check_batch(batch)
+        values = eval_step(state, **batch)
+        if sums is None:
+            sums = jax.tree.map(lambda _: jnp.zeros((), jnp.float32), values)
+        sums = _weighted_add(sums, values, jnp.float32(n))
+        total += n
+    if sums is None:
+        raise BatchError("evaluate got no batches: the eval data is empty.")
+    with host_reads():
+        host = jax.device_get(sums)
+    return {name: float(v) / total for name, v in named_leaves(host)}

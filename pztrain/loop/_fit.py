@@ -1,0 +1,266 @@
+"""`fit`: wiring, and the loop of stretches and host points.
+
+Between host points the loop only calls the jitted step: the metrics of each
+step are summed on device inside that same call. At a host point (a log point,
+an evaluation, an epoch end, the end, or a step a hook asked for) it runs the
+hooks. The pieces: `Schedule` (where the points are), a batch source
+(`batch_source`), `Hooks` (the ordered callbacks) and `Reporter` (records).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from pztrain.callbacks import Callback, ProgressBar
+from pztrain.checkpoints import Checkpoints
+from pztrain.data import ArrayLoader
+from pztrain.loggers import JsonlLogger, Logger
+from pztrain.loop._evaluate import evaluate
+from pztrain.loop._hooks import Hooks, RecordLog, host_reads
+from pztrain.loop._reporting import Reporter
+from pztrain.loop._schedule import Schedule, run_end
+from pztrain.loop._sources import BatchSource, batch_source
+from pztrain.records import History, LoopInfo, Stop
+from pztrain.state import TrainState
+from pztrain.step import EvalStep, TrainStep
+
+__all__ = ["fit"]
+
+
+def fit(
+    state: TrainState,
+    train_step: TrainStep,
+    train_data: ArrayLoader | Iterable[Any],
+    *,
+    num_steps: int | None = None,
+    num_epochs: int | None = None,
+    eval_step: EvalStep | None = None,
+    eval_data: Iterable[Any] | None = None,
+    eval_every: int | None = None,
+    log_every: int = 100,
+    callbacks: Sequence[Callback] = (),
+    loggers: Sequence[Logger] | None = None,
+    run_dir: str | os.PathLike | None = None,
+    hparams: dict[str, Any] | None = None,
+    progress: bool | ProgressBar = True,
+    prefetch: int = 2,
+    checkpoints: Checkpoints | None = None,
+    resume: bool = False,
+) -> tuple[TrainState, History]:
+    """Trains ``state`` with ``train_step`` on ``train_data``.
+
+    Args:
+      state: The state to start from; training continues from ``state.step``.
+      train_step: From `pztrain.build_train_step`.
+      train_data: An `ArrayLoader` (its position follows the step) or any
+        iterable of batch dicts (re-iterable: one epoch per pass; a one-shot
+        iterator ends the run when it runs out).
+      num_steps: Train until ``state.step == num_steps`` (a total).
+      num_epochs: Train until this many epochs are done.
+      eval_step: From `pztrain.build_eval_step`, with ``eval_data``.
+      eval_data: The data for `pztrain.evaluate`.
+      eval_every: Steps between evaluations (default: each epoch end, or the end).
+      log_every: Steps between log points (a multiple of ``steps_per_call``).
+      callbacks: `pztrain.Callback` s, run in this order at each point.
+      loggers: Default: a `pztrain.JsonlLogger` in ``run_dir``, if given.
+      run_dir: The run directory for the default logger.
+      hparams: Hyperparameters to log once, at the start.
+      progress: Show a `pztrain.ProgressBar` (needs tqdm), or this one.
+      prefetch: Batches moved to the device ahead of time (0 turns it off).
+      checkpoints: A `pztrain.Checkpoints` that saves during the run; its saves
+        are finished when ``fit`` returns or raises.
+      resume: Continue from the newest complete checkpoint in ``checkpoints``:
+        state, data position, log records and callback counters.
+
+    Returns:
+      ``(state, history)``.
+
+    Raises:
+      ValueError: for inconsistent options (named in the message).
+    """
+    _check_options(train_step, log_every, eval_every, eval_step, eval_data)
+    _check_length(num_steps, num_epochs, checkpoints, resume)
+    callbacks = list(callbacks)
+    if resume:
+        state = checkpoints.restore_latest(state, callbacks) or state
+    with host_reads():
+        start = int(state.step)
+    k, per_epoch = train_step.steps_per_call, _epoch_length(train_data)
+    schedule = Schedule(
+        start=start,
+        end=run_end(start, k, per_epoch, num_steps, num_epochs),
+        steps_per_call=k,
+        log_every=log_every,
+        eval_every=eval_every,
+        steps_per_epoch=per_epoch,
+        num_epochs=num_epochs,
+        evaluates=eval_step is not None,
+    )
+    if loggers is None:
+        loggers = [JsonlLogger(run_dir, resume_step=start)] if run_dir else []
+    history = History()
+    ckpts = [] if checkpoints is None else [checkpoints]
+    bar = _progress_bar(progress, callbacks)
+    hooks = Hooks([*bar, *callbacks, RecordLog(history, loggers), *ckpts])
+    run = _Run(
+        train_step=train_step,
+        source=batch_source(train_data, start, k, prefetch),
+        schedule=schedule,
+        hooks=hooks,
+        reporter=Reporter(hooks, time.perf_counter, state),
+        info=_info(schedule, run_dir, hparams, callbacks),
+        history=history,
+        evaluate=functools.partial(evaluate, eval_step=eval_step, data=eval_data),
+    )
+    with checkpoints if checkpoints is not None else contextlib.nullcontext():
+        return _train(state, run), history
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """The pieces of a run, wired by `fit`."""
+
+    train_step: TrainStep
+    source: BatchSource
+    schedule: Schedule
+    hooks: Hooks
+    info: LoopInfo
+    history: History
+    reporter: Reporter
+    evaluate: Callable[[TrainState], dict[str, float]]
+    clock: Callable[[], float] = time.perf_counter
+
+    def evaluation(self, state: TrainState, step: int, epoch: int):
+        """Evaluates ``state`` and runs the eval hooks: ``(state, stop)``."""
+        values = self.evaluate(state)
+        return self.reporter.evaluation(state, values, step, epoch)
+
+
+def _train(state: TrainState, run: _Run) -> TrainState:
+    """The loop: stretches of steps, each ended by a host point."""
+    s, hooks, reporter = run.schedule, run.hooks, run.reporter
+    step, epoch, sums, stop = s.start, s.epoch_at(s.start), None, None
+    last_log = last_eval = step
+    try:
+        state, stop = hooks.run("on_train_start", state, run.info)
+        wish = hooks.advance(step, run.clock())
+        while stop is None and not s.done(step, epoch):
+            state, sums, ran = _stretch(
+                run, state, sums, step, s.next_point(step, wish)
+            )
+            if not ran:
+                break
+            step += ran
+            wish = hooks.advance(step, run.clock())
+            state, stop = _first(stop, *reporter.poll(state))
+            if s.logs_at(step):
+                state, stop = _first(stop, *reporter.log(state, sums, step, epoch))
+                sums, last_log = sums.reset(), step
+            ended = s.ends_epoch(step, epoch, run.source.ended_pass)
+            if ended:
+                state, stop = _first(stop, *hooks.run("on_epoch_end", state, epoch))
+            if s.evaluates_at(step, ended):
+                state, stop = _first(stop, *run.evaluation(state, step, epoch))
+                last_eval = step
+            epoch = s.next_epoch(step, epoch) if ended else epoch
+        if last_log != step:
+            state, stop = _first(stop, *reporter.log(state, sums, step, epoch))
+        state, stop = _first(stop, *reporter.flush(state))
+        if stop is None and s.evaluates and last_eval != step:
+            state, stop = _first(stop, *run.evaluation(state, step, epoch))
+        run.history.stop_reason = _stop_reason(stop, run.source)
+    finally:
+        _end(state, run)
+    return state
+
+
+def _stretch(run: _Run, state, sums, step: int, stop_at: float):
+    """Runs the calls from ``step`` to ``stop_at``: ``(state, sums, steps run)``."""
+    ran, k = 0, run.schedule.steps_per_call
+    for batch, calls in run.source.stretch(step, stop_at):
+        if sums is None:
+            sums = run.train_step.metric_sums(state, batch)
+        state, sums = run.train_step.accumulate(state, sums, batch, calls=calls)
+        ran += calls * k
+    return state, sums, ran
+
+
+def _end(state: TrainState, run: _Run) -> None:
+    """Ends the hooks; after an error, first emits the log point computed."""
+    with contextlib.suppress(Exception):  # the error being raised matters more
+        run.reporter.flush(state)  # (after a normal end, nothing is left)
+    run.hooks.end(state, run.history)
+
+
+def _first(stop: Stop | None, state: TrainState, new_stop: Stop | None):
+    """``(state, stop)`` keeping the earlier Stop."""
+    return state, stop or new_stop
+
+
+def _stop_reason(stop: Stop | None, source: BatchSource) -> str | None:
+    if stop is not None:
+        return stop.reason
+    return "the training data ran out" if source.ran_out else None
+
+
+# ----------------------------------------------------------------------------
+# wiring
+
+
+def _check_options(train_step, log_every, eval_every, eval_step, eval_data) -> None:
+    k = train_step.steps_per_call
+    for name, value in (("log_every", log_every), ("eval_every", eval_every)):
+        if value is not None and (not isinstance(value, int) or value < 1 or value % k):
+            raise ValueError(
+                f"{name} must be a positive multiple of steps_per_call={k}; got "
+                f"{value!r}."
+            )
+    if (eval_step is None) != (eval_data is None):
+        raise ValueError("eval_step and eval_data go together: pass both or neither.")
+
+
+def _check_length(num_steps, num_epochs, checkpoints, resume) -> None:
+    if num_steps is None and num_epochs is None:
+        raise ValueError("Say how long to train: pass num_steps or num_epochs.")
+    if num_steps is not None and num_epochs is not None:
+        raise ValueError("Pass num_steps or num_epochs, not both.")
+    if resume and checkpoints is None:
+        raise ValueError("resume=True needs checkpoints=Checkpoints(directory).")
+
+
+def _epoch_length(train_data: Any) -> int | None:
+    """Steps per epoch if the data says (an `ArrayLoader`), else ``None``."""
+    if isinstance(train_data, ArrayLoader):
+        return train_data.steps_per_epoch
+    return None
+
+
+def _progress_bar(progress: bool | Callback, callbacks: list[Callback]) -> list:
+    if isinstance(progress, Callback):
+        return [progress]
+    if progress and any(isinstance(cb, ProgressBar) for cb in callbacks):
+        raise ValueError(
+            "callbacks holds a ProgressBar and progress=True adds another: pass "
+            "yours as progress=ProgressBar(...), or progress=False."
+        )
+    return [ProgressBar()] if progress else []
+
+
+def _info(schedule: Schedule, run_dir, hparams, callbacks) -> LoopInfo:
+    return LoopInfo(
+        start_step=schedule.start,
+        end_step=schedule.end_step,
+        steps_per_epoch=schedule.steps_per_epoch,
+        steps_per_call=schedule.steps_per_call,
+        log_every=schedule.log_every,
+        evaluates=schedule.evaluates,
+        run_dir=None if run_dir is None else str(run_dir),
+        hparams=dict(hparams or {}),
+        callbacks=tuple(callbacks),
+    )

@@ -1,0 +1,118 @@
+"""Log and eval points: records from metric sums, read late when nothing waits.
+
+At a log point the train step's metric sums become a record (means, non-finite
+counts, the injected learning rate). If every ``on_log`` hook is record-only,
+the point does not wait for the device: it keeps the sums and emits the record
+once they are computed (checked at each host point, at the latest at the next
+log point, evaluation or the end); the records are the same, in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pztrain.loop._hooks import Hooks, host_reads
+from pztrain.metrics import MetricSums
+from pztrain.records import Stop
+from pztrain.state import TrainState
+
+__all__ = ["Reporter"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _LogPoint:
+    """A log point not read yet: its sums and learning rate (on device)."""
+
+    sums: MetricSums
+    step: int
+    epoch: int
+    time: float
+    learning_rate: jax.Array | None = None
+
+
+class Reporter:
+    """Makes the records of a run and hands them to the hooks.
+
+    Args:
+      hooks: The run's hooks.
+      clock: The loop's clock (seconds); record times count from its first
+        reading.
+      state: The state at the start (to see whether a learning rate is
+        injected).
+    """
+
+    def __init__(self, hooks: Hooks, clock: Callable[[], float], state: TrainState):
+        self.hooks = hooks
+        self.clock = clock
+        self.late = hooks.record_only
+        self._t0 = clock()
+        self._logs_lr = _has_injected_lr(state)
+        self._pending: _LogPoint | None = None
+
+    def log(self, state: TrainState, sums: MetricSums, step: int, epoch: int):
+        """A train log point: ``(state, stop)``. ``sums`` must not change after."""
+        state, stop = self.flush(state)
+        lr = state.hyperparams["learning_rate"] if self._logs_lr else None
+        if self.late and lr is not None:
+            lr = jnp.copy(lr)  # read later: the next step donates the original
+        point = _LogPoint(sums, step, epoch, self.clock(), lr)
+        if self.late:
+            self._pending = point
+            return state, stop
+        return _first(stop, *self._emit(state, point))
+
+    def poll(self, state: TrainState) -> tuple[TrainState, Stop | None]:
+        """Emits the pending log point if the device has computed it."""
+        if self._pending is None or not self._pending.sums.is_ready():
+            return state, None
+        return self.flush(state)
+
+    def flush(self, state: TrainState) -> tuple[TrainState, Stop | None]:
+        """Emits the pending log point (waiting for the device if needed)."""
+        point, self._pending = self._pending, None
+        return (state, None) if point is None else self._emit(state, point)
+
+    def evaluation(
+        self, state: TrainState, values: dict[str, float], step: int, epoch: int
+    ) -> tuple[TrainState, Stop | None]:
+        """An eval point, after the train records before it."""
+        state, stop = self.flush(state)
+        record = self._record("eval", step, epoch, values, self.clock())
+        return _first(stop, *self.hooks.run("on_eval_end", state, record))
+
+    def _emit(self, state: TrainState, point: _LogPoint):
+        with host_reads():
+            summary = point.sums.read()
+            values = dict(summary.means)
+            if point.learning_rate is not None:
+                values["learning_rate"] = float(point.learning_rate)
+        record = self._record("train", point.step, point.epoch, values, point.time)
+        if summary.nonfinite:
+            record["nonfinite_steps"] = summary.nonfinite
+            record["first_nonfinite_step"] = summary.first_nonfinite_step
+        return self.hooks.run("on_log", state, record)
+
+    def _record(self, split: str, step: int, epoch: int, values: dict, t: float):
+        return {
+            "step": step,
+            "epoch": epoch,
+            "split": split,
+            "time": round(t - self._t0, 4),
+            "metrics": values,
+        }
+
+
+def _first(stop: Stop | None, state: TrainState, new_stop: Stop | None):
+    """``(state, stop)`` keeping the earlier Stop."""
+    return state, stop or new_stop
+
+
+def _has_injected_lr(state: TrainState) -> bool:
+    try:
+        return "learning_rate" in state.hyperparams
+    except ValueError:
+        return False

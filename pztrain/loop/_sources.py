@@ -1,0 +1,154 @@
+"""Where a run's batches come from: one interface, two sources.
+
+`BatchSource.stretch` gives the batches for the calls from one step up to the
+next host point, each with the number of calls to run on it:
+
+* `HostBatches`: batch dicts from the host (an `ArrayLoader` from the run's
+  step, or any iterable), moved to the device ahead of time in a background
+  thread; one call per batch.
+* `DeviceEpochs`: an `ArrayLoader(on_device=True)`: the epoch's data on the
+  device, from which every call slices its own batch; one item per stretch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
+
+import jax
+
+from pztrain._batch import BatchError, check_batch, stack_batches
+from pztrain.data import ArrayLoader, prefetch_to_device
+
+__all__ = ["BatchSource", "DeviceEpochs", "HostBatches", "batch_source"]
+
+
+class BatchSource(Protocol):
+    """Batches for a run, stretch by stretch.
+
+    Attributes:
+      ended_pass: Whether the last stretch ended a pass over the data.
+      ran_out: Whether one-shot data ran out during the last stretch.
+    """
+
+    ended_pass: bool
+    ran_out: bool
+
+    def stretch(self, step: int, stop: float) -> Iterator[tuple[Any, int]]:
+        """``(batch, calls)`` for the calls from ``step`` up to ``stop`` (fewer
+        at the end of a pass or of the data)."""
+
+
+def batch_source(
+    data: ArrayLoader | Iterable[Any], start: int, steps_per_call: int, prefetch: int
+) -> BatchSource:
+    """The source for ``fit``'s ``train_data``, positioned at step ``start``."""
+    if isinstance(data, ArrayLoader) and data.on_device:
+        return DeviceEpochs(data, start, steps_per_call)
+    if isinstance(data, ArrayLoader):
+        items = ((b, False) for b in data.iter_from_step(start, steps_per_call))
+    else:
+        items = _passes(data, steps_per_call)
+    if prefetch:
+        items = prefetch_to_device(items, prefetch, put=_put_pair)
+    return HostBatches(items, steps_per_call)
+
+
+class HostBatches:
+    """Batches from the host, one call each.
+
+    Args:
+      items: ``(batch, ends_pass)`` pairs, already grouped by ``steps_per_call``.
+      steps_per_call: Steps per call.
+    """
+
+    def __init__(self, items: Iterator[tuple[Any, bool]], steps_per_call: int):
+        self._items = items
+        self._k = steps_per_call
+        self.ended_pass = False
+        self.ran_out = False
+
+    def stretch(self, step: int, stop: float) -> Iterator[tuple[Any, int]]:
+        self.ended_pass = False
+        while step < stop and not self.ended_pass:
+            item = next(self._items, None)
+            if item is None:
+                self.ran_out = True
+                return
+            batch, self.ended_pass = item
+            yield batch, 1
+            step += self._k
+
+
+class DeviceEpochs:
+    """An `ArrayLoader(on_device=True)`: each stretch lies in one epoch, whose
+    `pztrain.data.IndexedBatches` every call takes its batch from.
+
+    Raises:
+      ValueError: unless the steps per epoch and the start step are multiples
+        of ``steps_per_call`` (no call may span two epochs).
+    """
+
+    ended_pass = False
+    ran_out = False
+
+    def __init__(self, loader: ArrayLoader, start: int, steps_per_call: int):
+        per_epoch = loader.steps_per_epoch
+        if per_epoch % steps_per_call or start % steps_per_call:
+            raise ValueError(
+                f"ArrayLoader(on_device=True) with steps_per_call={steps_per_call} "
+                f"needs the steps per epoch ({per_epoch}) and the start step "
+                f"({start}) to be multiples of {steps_per_call}, so that no call "
+                "spans two epochs."
+            )
+        self._loader = loader
+        self._k = steps_per_call
+
+    def stretch(self, step: int, stop: float) -> Iterator[tuple[Any, int]]:
+        batches = self._loader.device_epoch(step // self._loader.steps_per_epoch)
+        yield batches, int(stop - step) // self._k
+
+
+def _passes(data: Iterable[Any], k: int) -> Iterator[tuple[Any, bool]]:
+    """``(batch, ends_pass)``; re-iterable data restarts after each pass.
+
+    Looking one batch ahead marks the last batch of each pass, so an epoch that
+    ends on the run's last step still ends.
+    """
+    reiterable = iter(data) is not data
+    while True:
+        groups = _groups(iter(data), k)
+        previous = next(groups, None)
+        if previous is None:
+            return
+        for group in groups:
+            yield previous, False
+            previous = group
+        yield previous, True
+        if not reiterable:
+            return
+
+
+def _groups(source: Iterator[Any], k: int) -> Iterator[Any]:
+    """Checked batches of one pass, stacked ``k`` at a time (a rest is dropped)."""
+    group: list[Any] = []
+    keys = None
+    for batch in source:
+        if keys is None:
+            check_batch(batch)
+            keys = set(batch)
+        elif set(batch) != keys:
+            check_batch(batch, keys)
+            raise BatchError(
+                f"Batch has unexpected key(s) {sorted(set(batch) - keys)}; "
+                f"the first batch had {sorted(keys)}."
+            )
+        group.append(batch)
+        if len(group) == k:
+            yield group[0] if k == 1 else stack_batches(group)
+            group = []
+
+
+def _put_pair(pair: tuple[Any, bool]) -> tuple[Any, bool]:
+    batch, ends_pass = pair
+    return jax.device_put(batch), ends_pass
