@@ -9,6 +9,7 @@ updates; donated) and `Inputs` (what it reads). Inside: the step key is
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -25,10 +26,12 @@ from pztrain.state import optimizer_update
 __all__ = [
     "Carry",
     "Inputs",
+    "Static",
     "StepOutputs",
     "aux_fn",
     "eval_fn",
     "grads_fn",
+    "key_data",
     "train_fn",
 ]
 
@@ -52,11 +55,44 @@ class Carry(NamedTuple):
     sums: MetricSums | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """What a compiled step closes over, besides the optimizer.
+
+    Attributes:
+      rest: The static part of ``model_without_params``.
+      key_impl: The root key's PRNG implementation (``"threefry2x32"``, …), or
+        ``None`` for a legacy ``uint32`` key (``jax.random.PRNGKey``).
+    """
+
+    rest: RestSpec
+    key_impl: str | None
+
+    def root_rng(self, data: jax.Array) -> jax.Array:
+        """The root key, from the raw data that crossed ``jax.jit``."""
+        if self.key_impl is None:
+            return data
+        return jax.random.wrap_key_data(data, impl=self.key_impl)
+
+
+def key_data(key: jax.Array) -> tuple[jax.Array, str | None]:
+    """A key's raw ``uint32`` data and its implementation (see `Static`).
+
+    A typed key array (``jax.random.key``) is flattened through a Python
+    callback on every jitted call (about 2 µs on CPU); its raw data is not, so
+    the steps take the data and rebuild the key inside.
+    """
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key), str(jax.random.key_impl(key))
+    return key, None
+
+
 class Inputs(NamedTuple):
     """What one call of a step reads and leaves as it was.
 
     Attributes:
-      root_rng: The base key; step ``s`` uses ``fold_in(root_rng, s)``.
+      root_rng: The base key's raw data (`key_data`); step ``s`` uses
+        ``fold_in(root_rng, s)``.
       rest: The arrays of ``model_without_params`` (`pztrain.partition.split_rest`).
       batch: A dict of arrays, or batches on device that give each step its own
         (an object with ``take(step, count)``, e.g.
@@ -87,7 +123,7 @@ class StepOutputs(NamedTuple):
 StepFn = Callable[[Carry, Inputs], Any]
 
 
-def train_fn(loss_fn, spec: RestSpec, optimizer_def, steps_per_call: int) -> StepFn:
+def train_fn(loss_fn, static: Static, optimizer_def, steps_per_call: int) -> StepFn:
     """``(carry, inputs) -> (carry, new_rest, aux)``: ``steps_per_call`` steps.
 
     ``new_rest`` holds the rest's new arrays when the model has state variables
@@ -97,9 +133,9 @@ def train_fn(loss_fn, spec: RestSpec, optimizer_def, steps_per_call: int) -> Ste
     """
 
     def one(carry: Carry, root_rng, rest, batch) -> tuple[Carry, Any, Any]:
-        rng = jax.random.fold_in(root_rng, carry.step)
+        rng = jax.random.fold_in(root_rng, carry.step)  # the contract's key
         loss, lfs, aux, new_rest, grads = _loss_and_grads(
-            loss_fn, spec, carry, rest, rng, batch
+            loss_fn, static.rest, carry, rest, rng, batch
         )
         params, opt_state = optimizer_update(
             optimizer_def, grads, carry.opt_state, carry.params
@@ -111,35 +147,36 @@ def train_fn(loss_fn, spec: RestSpec, optimizer_def, steps_per_call: int) -> Ste
 
     def run(carry: Carry, inputs: Inputs):
         batch = _batch_of(inputs.batch, carry.step, steps_per_call)
+        root_rng = static.root_rng(inputs.root_rng)
         if steps_per_call == 1:
-            return one(carry, inputs.root_rng, inputs.rest, batch)
+            return one(carry, root_rng, inputs.rest, batch)
 
         def body(pair, batch_slice):
             carry, rest = pair
-            carry, new_rest, aux = one(carry, inputs.root_rng, rest, batch_slice)
+            carry, new_rest, aux = one(carry, root_rng, rest, batch_slice)
             return (carry, rest if new_rest is None else new_rest), aux
 
         (carry, rest), aux = jax.lax.scan(body, (carry, inputs.rest), batch)
-        return carry, rest if spec.stateful else None, aux
+        return carry, rest if static.rest.stateful else None, aux
 
     return run
 
 
-def grads_fn(loss_fn, spec: RestSpec) -> StepFn:
+def grads_fn(loss_fn, static: Static) -> StepFn:
     """``(carry, inputs) -> StepOutputs`` for one batch; nothing is updated."""
 
     def run(carry: Carry, inputs: Inputs) -> StepOutputs:
         batch = _batch_of(inputs.batch, carry.step, 1)
-        rng = jax.random.fold_in(inputs.root_rng, carry.step)
+        rng = jax.random.fold_in(static.root_rng(inputs.root_rng), carry.step)
         loss, lfs, aux, _, grads = _loss_and_grads(
-            loss_fn, spec, carry, inputs.rest, rng, batch
+            loss_fn, static.rest, carry, inputs.rest, rng, batch
         )
         return StepOutputs(loss, lfs, aux, grads)
 
     return run
 
 
-def eval_fn(fn, spec: RestSpec) -> StepFn:
+def eval_fn(fn, static: Static) -> StepFn:
     """``(carry, inputs) -> metrics``, with key ``fold_in(fold_in(root_rng, step), 1)``.
 
     State-variable updates are dropped: evaluating changes nothing.
@@ -147,14 +184,15 @@ def eval_fn(fn, spec: RestSpec) -> StepFn:
 
     def run(carry: Carry, inputs: Inputs) -> Any:
         batch = _batch_of(inputs.batch, carry.step, 1)
-        rng = jax.random.fold_in(jax.random.fold_in(inputs.root_rng, carry.step), 1)
-        model, _ = spec.bind(carry.params, inputs.rest)
+        rng = jax.random.fold_in(static.root_rng(inputs.root_rng), carry.step)
+        rng = jax.random.fold_in(rng, 1)
+        model, _ = static.rest.bind(carry.params, inputs.rest)
         return fn(model=model, state=carry.loss_fn_state, rng=rng, **batch)
 
     return run
 
 
-def aux_fn(loss_fn, spec: RestSpec) -> StepFn:
+def aux_fn(loss_fn, static: Static) -> StepFn:
     """``(carry, inputs) -> aux`` of the loss alone: forward only, no gradient.
 
     For `jax.eval_shape`: the metric names of a step, without tracing its
@@ -163,8 +201,8 @@ def aux_fn(loss_fn, spec: RestSpec) -> StepFn:
 
     def run(carry: Carry, inputs: Inputs) -> Any:
         batch = _batch_of(inputs.batch, carry.step, 1)
-        rng = jax.random.fold_in(inputs.root_rng, carry.step)
-        model, _ = spec.bind(carry.params, inputs.rest)
+        rng = jax.random.fold_in(static.root_rng(inputs.root_rng), carry.step)
+        model, _ = static.rest.bind(carry.params, inputs.rest)
         out = loss_fn(model=model, state=carry.loss_fn_state, rng=rng, **batch)
         return _check_loss_output(out, carry.loss_fn_state)[2]
 

@@ -12,16 +12,16 @@ closed over, so a penzai model's Python-level flattening is not paid per call.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
 
 from pztrain import _step_fns
-from pztrain._step_fns import Carry, Inputs, StepOutputs
+from pztrain._step_fns import Carry, Inputs, Static, StepOutputs, key_data
 from pztrain.metrics import MetricSums, metric_names
-from pztrain.partition import RestSpec, split_rest
-from pztrain.state import DonatedStateError, TrainState
+from pztrain.partition import split_rest
+from pztrain.state import DonatedStateError, TrainState, after_step
 
 __all__ = [
     "EvalFunction",
@@ -79,37 +79,48 @@ class OnDeviceBatches(Protocol):
 class _Programs:
     """A step's compiled functions, one per (model structure, optimizer).
 
-    The last lookup is remembered by identity: a run passes the same
-    ``model_without_params`` and optimizer objects call after call, so the
-    per-call cost is two ``is`` checks.
+    The structure is the `Static` of a state: its rest's `RestSpec` and its root
+    key's implementation. The last lookup is remembered by identity: a run
+    passes the same ``model_without_params``, optimizer and key objects call
+    after call, so the per-call cost is three ``is`` checks.
     """
 
-    def __init__(self, build: Callable[[RestSpec, Any], Any]):
+    def __init__(self, build: Callable[[Static, Any], Any]):
         self._build = build
-        self._built: dict[tuple[RestSpec, Any], Any] = {}
-        self._last: tuple[Any, Any, tuple[Any, RestSpec, list[Any]]] | None = None
+        self._built: dict[tuple[Static, Any], Any] = {}
+        # The objects of the last lookup, and what it found.
+        self.last: tuple[Any, Any, Any, _Found | None] = (None, None, None, None)
 
-    def lookup(self, rest: Any, optimizer_def: Any) -> tuple[Any, RestSpec, list]:
-        """``(program, spec, rest_arrays)`` for a state's rest and optimizer."""
-        last = self._last
-        if last is not None and last[0] is rest and last[1] is optimizer_def:
-            return last[2]
+    def lookup(self, rest: Any, optimizer_def: Any, root_rng: Any) -> _Found:
+        """The program for a state's rest, optimizer and key, and its inputs."""
+        last = self.last
+        if last[0] is rest and last[1] is optimizer_def and last[2] is root_rng:
+            return last[3]
         spec, arrays = split_rest(rest)
-        return self._remember(rest, optimizer_def, spec, arrays)
+        data, impl = key_data(root_rng)
+        static = Static(spec, impl)
+        key = (static, optimizer_def)
+        if key not in self._built:
+            self._built[key] = self._build(static, optimizer_def)
+        found = _Found(self._built[key], static, arrays, data)
+        self.last = (rest, optimizer_def, root_rng, found)
+        return found
 
-    def rebuild(self, spec: RestSpec, arrays: list[Any], optimizer_def: Any) -> Any:
+    def rebuild(self, found: _Found, arrays: list[Any], optimizer_def, root_rng):
         """The rest built from new arrays (state variables), remembered."""
-        rest = spec.build(arrays)
-        self._remember(rest, optimizer_def, spec, arrays)
+        rest = found.static.rest.build(arrays)
+        self.last = (rest, optimizer_def, root_rng, found._replace(rest=arrays))
         return rest
 
-    def _remember(self, rest, optimizer_def, spec, arrays):
-        key = (spec, optimizer_def)
-        if key not in self._built:
-            self._built[key] = self._build(spec, optimizer_def)
-        found = (self._built[key], spec, arrays)
-        self._last = (rest, optimizer_def, found)
-        return found
+
+class _Found(NamedTuple):
+    """What a call needs besides the state: the program, its static structure,
+    the rest's arrays and the key's raw data."""
+
+    program: Any
+    static: Static
+    rest: list[Any]
+    key_data: jax.Array
 
 
 class _Train:
@@ -164,11 +175,11 @@ class TrainStep:
         self._batch_shardings = batch_shardings
         self._programs = _Programs(self._build)
 
-    def _build(self, spec: RestSpec, optimizer_def: Any) -> _Train:
+    def _build(self, static: Static, optimizer_def: Any) -> _Train:
         k, loss_fn = self.steps_per_call, self.loss_fn
-        step = _step_fns.train_fn(loss_fn, spec, optimizer_def, k)
-        grads = _step_fns.grads_fn(loss_fn, spec)
-        aux = _step_fns.aux_fn(loss_fn, spec)
+        step = _step_fns.train_fn(loss_fn, static, optimizer_def, k)
+        grads = _step_fns.grads_fn(loss_fn, static)
+        aux = _step_fns.aux_fn(loss_fn, static)
         if not self.jit:
             return _Train(step, lambda: grads, aux)
         return _Train(jax.jit(step, **self._jit_options()), lambda: jax.jit(grads), aux)
@@ -210,7 +221,11 @@ class TrainStep:
           ``(new_state, aux)``; with ``steps_per_call=k`` the aux leaves are
           stacked along a leading axis ``k``.
         """
-        state, _, aux = self._run(state, None, _one_batch(batch, arrays), 1)
+        if batch is None:
+            batch = arrays
+        elif arrays:
+            _two_batches(batch, arrays)
+        state, _, aux = self._run(state, None, batch, 1)
         return state, aux
 
     def accumulate(
@@ -251,33 +266,49 @@ class TrainStep:
 
         The one hot path of every call, `accumulate` and `pztrain.fit`.
         """
-        optimizer_def = state.optimizer_def
-        train, spec, rest = self._programs.lookup(
-            state.model_without_params, optimizer_def
+        rest, optimizer_def, root_rng = (
+            state.model_without_params,
+            state.optimizer_def,
+            state.root_rng,
         )
-        carry = Carry(
-            state.step, state.params, state.opt_state, state.loss_fn_state, sums
+        last = self._programs.last  # the lookup, inline: the common case
+        if last[0] is rest and last[1] is optimizer_def and last[2] is root_rng:
+            found = last[3]
+        else:
+            found = self._programs.lookup(rest, optimizer_def, root_rng)
+        # tuple.__new__ builds the named tuples without their Python-level
+        # __new__ (about a microsecond less per call on CPU).
+        carry = _make(
+            Carry,
+            (state.step, state.params, state.opt_state, state.loss_fn_state, sums),
         )
-        inputs = Inputs(state.root_rng, rest, batch)
+        inputs = _make(Inputs, (found.key_data, found.rest, batch))
+        step = found.program.step
         try:
-            carry, new_rest, aux = train.step(carry, inputs)
+            carry, new_rest, aux = step(carry, inputs)
         except (RuntimeError, ValueError) as err:
             _donation_error(state, err)
             raise
-        for _ in range(calls - 1):
-            if new_rest is not None:
-                inputs = Inputs(inputs.root_rng, new_rest, batch)
-            carry, new_rest, aux = train.step(carry, inputs)
-        new = state.replace(
-            step=carry.step,
-            params=carry.params,
-            opt_state=carry.opt_state,
-            loss_fn_state=carry.loss_fn_state,
+        if calls > 1:
+            carry, new_rest, aux = self._more_calls(
+                step, carry, inputs, new_rest, calls
+            )
+        new = after_step(
+            state, carry.step, carry.params, carry.opt_state, carry.loss_fn_state
         )
         if new_rest is not None:
-            rest = self._programs.rebuild(spec, new_rest, optimizer_def)
+            rest = self._programs.rebuild(found, new_rest, optimizer_def, root_rng)
             new = new.replace(model_without_params=rest)
         return new, carry.sums, aux
+
+    @staticmethod
+    def _more_calls(step, carry, inputs, new_rest, calls):
+        """Calls 2 to ``calls`` of `_run`: the arrays go from one to the next."""
+        for _ in range(calls - 1):
+            if new_rest is not None:
+                inputs = Inputs(inputs.root_rng, new_rest, inputs.batch)
+            carry, new_rest, aux = step(carry, inputs)
+        return carry, new_rest, aux
 
     def metric_sums(
         self, state: TrainState, batch: Any = None, /, **arrays: Any
@@ -294,15 +325,15 @@ class TrainStep:
             batch = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch
             )
-        train, _, rest = self._programs.lookup(
-            state.model_without_params, state.optimizer_def
-        )
-        carry, inputs = _args(state, rest, batch, opt_state=False)
+        found = self._lookup(state)
+        carry, inputs = _args(state, found, batch, opt_state=False)
+        names = found.program.metric_names
         key = _shapes_key((carry, inputs))
-        if key not in train.metric_names:
-            aux = jax.eval_shape(train.aux, carry, inputs)
-            train.metric_names[key] = tuple(metric_names(aux))
-        return MetricSums.zeros(train.metric_names[key])
+        if key not in names:
+            names[key] = tuple(
+                metric_names(jax.eval_shape(found.program.aux, carry, inputs))
+            )
+        return MetricSums.zeros(names[key])
 
     def compute_grads(self, state: TrainState, **batch: Any) -> StepOutputs:
         """Loss, new loss-function state, aux and grads for one batch; no update.
@@ -310,10 +341,8 @@ class TrainStep:
         Uses the same key as the step would (``fold_in(root_rng, step)``) and
         donates nothing. Apply the grads with ``state.apply_gradients(grads)``.
         """
-        train, _, rest = self._programs.lookup(
-            state.model_without_params, state.optimizer_def
-        )
-        return train.grads(*_args(state, rest, batch, opt_state=False))
+        found = self._lookup(state)
+        return found.program.grads(*_args(state, found, batch, opt_state=False))
 
     def lower(
         self, state: TrainState, batch: Any = None, /, **arrays: Any
@@ -325,13 +354,19 @@ class TrainStep:
         """
         if not self.jit:
             raise ValueError("lower() needs a jitted step: build it with jit=True.")
-        train, _, rest = self._programs.lookup(
-            state.model_without_params, state.optimizer_def
+        found = self._lookup(state)
+        return found.program.step.lower(*_args(state, found, _one_batch(batch, arrays)))
+
+    def _lookup(self, state: TrainState) -> _Found:
+        return self._programs.lookup(
+            state.model_without_params, state.optimizer_def, state.root_rng
         )
-        return train.step.lower(*_args(state, rest, _one_batch(batch, arrays)))
 
 
-def _args(state: TrainState, rest: list, batch: Any, opt_state: bool = True):
+_make = tuple.__new__
+
+
+def _args(state: TrainState, found: _Found, batch: Any, opt_state: bool = True):
     """The ``(Carry, Inputs)`` of ``state`` (optimizer state left out if not
     needed, so that it is not passed in)."""
     carry = Carry(
@@ -340,7 +375,7 @@ def _args(state: TrainState, rest: list, batch: Any, opt_state: bool = True):
         state.opt_state if opt_state else None,
         state.loss_fn_state,
     )
-    return carry, Inputs(state.root_rng, rest, batch)
+    return carry, Inputs(found.key_data, found.rest, batch)
 
 
 def _one_batch(batch: Any, arrays: dict[str, Any]) -> Any:
@@ -348,13 +383,17 @@ def _one_batch(batch: Any, arrays: dict[str, Any]) -> Any:
     if batch is None:
         return arrays
     if arrays:
-        raise TypeError(
-            "Pass the batch as keyword arguments (train_step(state, x=..., y=...)) "
-            "or as one positional batch (a dict, or batches on device such as "
-            f"pztrain.data.IndexedBatches), not both; got {type(batch).__name__} "
-            f"and keys {sorted(arrays)}."
-        )
+        _two_batches(batch, arrays)
     return batch
+
+
+def _two_batches(batch: Any, arrays: dict[str, Any]) -> None:
+    raise TypeError(
+        "Pass the batch as keyword arguments (train_step(state, x=..., y=...)) "
+        "or as one positional batch (a dict, or batches on device such as "
+        f"pztrain.data.IndexedBatches), not both; got {type(batch).__name__} "
+        f"and keys {sorted(arrays)}."
+    )
 
 
 def _shapes_key(tree: Any) -> tuple[Any, ...]:
@@ -455,16 +494,16 @@ class EvalStep:
         self.jit = jit
         self._programs = _Programs(self._build)
 
-    def _build(self, spec: RestSpec, optimizer_def: Any) -> Any:
+    def _build(self, static: Static, optimizer_def: Any) -> Any:
         del optimizer_def  # evaluation does not depend on it
-        fn = _step_fns.eval_fn(self.eval_fn, spec)
+        fn = _step_fns.eval_fn(self.eval_fn, static)
         return jax.jit(fn) if self.jit else fn
 
     def __call__(self, state: TrainState, **batch: Any) -> Any:
         """Returns ``eval_fn``'s metrics for ``state`` on ``batch``."""
-        fn, _, rest = self._programs.lookup(state.model_without_params, None)
+        found = self._programs.lookup(state.model_without_params, None, state.root_rng)
         try:
-            return fn(*_args(state, rest, batch, opt_state=False))
+            return found.program(*_args(state, found, batch, opt_state=False))
         except (RuntimeError, ValueError) as err:
             _donation_error(state, err)
             raise
