@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pztrain._batch import check_batch
+from pztrain._optax import optimizer_update
 from pztrain._tree import describe
 from pztrain.metrics import MetricSums
 from pztrain.partition import RestSpec
-from pztrain.state import optimizer_update
 
 __all__ = [
     "Carry",
     "Inputs",
+    "OnDeviceBatches",
     "Static",
     "StepOutputs",
     "aux_fn",
@@ -34,6 +35,20 @@ __all__ = [
     "key_data",
     "train_fn",
 ]
+
+
+class OnDeviceBatches(Protocol):
+    """Batches kept on the device, from which each step takes its own.
+
+    `pztrain.data.IndexedBatches` is one. Give it to a step positionally instead
+    of keyword arrays: ``train_step(state, batches)``.
+    """
+
+    def take(self, step: jax.Array, count: int) -> dict[str, jax.Array]:
+        """The batch of ``step`` (``count`` consecutive ones stacked if > 1)."""
+
+    def batch_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes and dtypes of one batch."""
 
 
 class Carry(NamedTuple):
@@ -94,9 +109,7 @@ class Inputs(NamedTuple):
       root_rng: The base key's raw data (`key_data`); step ``s`` uses
         ``fold_in(root_rng, s)``.
       rest: The arrays of ``model_without_params`` (`pztrain.partition.split_rest`).
-      batch: A dict of arrays, or batches on device that give each step its own
-        (an object with ``take(step, count)``, e.g.
-        `pztrain.data.IndexedBatches`).
+      batch: A dict of arrays, or `OnDeviceBatches` (each step takes its own).
     """
 
     root_rng: jax.Array

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pztrain._optax import states_of
 from pztrain.records import LoopInfo, Stop
 
 if TYPE_CHECKING:
@@ -293,9 +294,7 @@ class NanPolicy(Callback):
 
 
 def _apply_if_finite_state(opt_state: Any) -> Any:
-    kind = optax.ApplyIfFiniteState
-    is_kind = lambda x: isinstance(x, kind)  # noqa: E731
-    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_kind) if is_kind(x)]
+    found = states_of(opt_state, optax.ApplyIfFiniteState)
     return found[0] if found else None
 
 

@@ -28,7 +28,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from pztrain import _orbax, partition
+from pztrain import _orbax
+from pztrain._targets import filled, params_of, params_target
 from pztrain._tree import describe, describe_shape, is_array, named_leaves
 from pztrain._version import __version__
 from pztrain.state import TrainState
@@ -81,7 +82,7 @@ def save_params(
       >>> load_params(d, {"w": jnp.zeros(2)})["w"]
       Array([1., 1.], dtype=float32)
     """
-    params = _params_of(state_or_params)
+    params = params_of(state_or_params)
     return _save(Path(directory), save_args(params, None, metadata), overwrite)
 
 
@@ -251,7 +252,7 @@ def load_params(
     """
     path = _checkpoint_dir(directory)
     meta = read_metadata(path)
-    params, rebuild = _target(like)
+    params, rebuild = params_target(like)
     stored = _stored_params(meta)
     wanted = _check_params(path, stored, dict(named_leaves(params)), partial)
     target = {
@@ -259,7 +260,7 @@ def load_params(
     }
     restored = _restore(path, params=(target, len(target) < len(stored)))["params"]
     names = list(stored)
-    return rebuild(_filled(params, {names[int(i)]: v for i, v in restored.items()}))
+    return rebuild(filled(params, {names[int(i)]: v for i, v in restored.items()}))
 
 
 def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
@@ -293,7 +294,7 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
     by_name = {names[int(i)]: v for i, v in restored["params"].items()}
     arrays = [restored["state"][str(i)] for i in range(len(like_arrays))]
     rest = _filled_state(like, arrays, meta["state"]["scalars"])
-    return rest.replace(params=_filled(like.params, by_name))
+    return rest.replace(params=filled(like.params, by_name))
 
 
 def _filled_state(like: TrainState, arrays: list[Any], scalars: dict) -> TrainState:
@@ -408,42 +409,6 @@ def _restore(path: Path, **items: tuple[dict[str, Any], bool]) -> dict[str, Any]
 
 
 # ----------------------------------------------------------------------------
-# targets: where loaded params go
-
-
-def _params_of(state_or_params: Any) -> Any:
-    if isinstance(state_or_params, TrainState):
-        return state_or_params.params
-    return state_or_params
-
-
-def _target(like: Any) -> tuple[Any, Any]:
-    """The params of ``like`` and a function that puts new ones back into it."""
-    if isinstance(like, TrainState):
-        return like.params, lambda p: like.replace(params=p)
-    if _is_params_tree(like):
-        return like, lambda p: p
-    params, rest = partition.split(like)
-    return params, lambda p: partition.to_user_model(partition.merge(p, rest))
-
-
-def _filled(params: Any, loaded: dict[str, Any]) -> Any:
-    """``params`` with the leaves named in ``loaded`` replaced."""
-    named = named_leaves(params)
-    treedef = jax.tree.structure(params)
-    return treedef.unflatten([loaded.get(n, leaf) for n, leaf in named])
-
-
-def _is_params_tree(like: Any) -> bool:
-    """A dict (or nested dicts/lists) of arrays only: a params pytree."""
-    if not isinstance(like, dict):
-        return False
-    return partition.family_of(like) == "pytree" and all(
-        is_array(x) for x in jax.tree.leaves(like)
-    )
-
-
-# ----------------------------------------------------------------------------
 # safetensors (optional extra)
 
 
@@ -453,7 +418,7 @@ def export_safetensors(path: str | os.PathLike, state_or_params: Any) -> Path:
     For use outside JAX (PyTorch, NumPy, Rust …). Needs ``pztrain[safetensors]``.
     """
     save_file = _safetensors().save_file
-    named = named_leaves(_params_of(state_or_params))
+    named = named_leaves(params_of(state_or_params))
     with jax.transfer_guard_device_to_host("allow"):
         tensors = {n: np.ascontiguousarray(jax.device_get(x)) for n, x in named}
     save_file(tensors, str(path), metadata={"format": "pztrain.params"})
@@ -465,11 +430,11 @@ def import_safetensors(
 ) -> Any:
     """Reads params from a ``.safetensors`` file into ``like`` (see `load_params`)."""
     tensors = _safetensors().load_file(str(path))
-    params, rebuild = _target(like)
+    params, rebuild = params_target(like)
     stored = {n: (tuple(t.shape), str(t.dtype)) for n, t in tensors.items()}
     wanted = _check_params(Path(path), stored, dict(named_leaves(params)), partial)
     loaded = {n: jax.numpy.asarray(tensors[n]) for n in wanted}
-    return rebuild(_filled(params, loaded))
+    return rebuild(filled(params, loaded))
 
 
 def _safetensors():

@@ -14,6 +14,7 @@ from penzai import pz
 from penzai.core import struct as pz_struct
 
 from pztrain import partition
+from pztrain._optax import check_optimizer, injected_hyperparams, optimizer_update
 from pztrain._tree import describe
 
 __all__ = ["TrainState", "DonatedStateError"]
@@ -98,12 +99,6 @@ def _state_type_name(x: Any) -> str:
     return type(x).__name__
 
 
-def _find_hyperparams(opt_state: Any) -> list[Any]:
-    kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-    is_inject = lambda x: isinstance(x, kinds)  # noqa: E731
-    return [x for x in jax.tree.leaves(opt_state, is_leaf=is_inject) if is_inject(x)]
-
-
 def _nbytes(tree: Any) -> tuple[int, int]:
     arrays = [x for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")]
     return sum(int(np.prod(x.shape)) for x in arrays), sum(x.nbytes for x in arrays)
@@ -123,14 +118,6 @@ def _check_grads(grads: Any, params: Any) -> None:
     raise ValueError(
         f"grads must have the structure of state.params; got {g_def}, expected {p_def}."
     )
-
-
-def optimizer_update(
-    optimizer_def: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any
-) -> tuple[Any, Any]:
-    """One optax update: ``(new_params, new_opt_state)``."""
-    updates, new_opt_state = optimizer_def.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), new_opt_state
 
 
 def after_step(
@@ -247,7 +234,7 @@ class TrainState(pz.Struct):
             ``root_rng`` is not a key.
           pztrain.partition.PartitionError: if the model cannot be split.
         """
-        _check_optimizer(optimizer_def)
+        check_optimizer(optimizer_def)
         _check_key(root_rng)
         params, rest = partition.split(model, trainable)
         return cls._from_parts(
@@ -291,7 +278,7 @@ class TrainState(pz.Struct):
           >>> state.apply_fn({"params": state.params}, 2.0)
           Array(2., dtype=float32, weak_type=True)
         """
-        _check_optimizer(tx)
+        check_optimizer(tx)
         root_rng = jax.random.key(0) if root_rng is None else _check_key(root_rng)
         rest = partition.ApplyFnModel(apply_fn, None)
         return cls._from_parts(params, rest, tx, root_rng, loss_fn_state, extra_fields)
@@ -372,24 +359,7 @@ class TrainState(pz.Struct):
           >>> state.hyperparams["learning_rate"]
           Array(0.003, dtype=float32)
         """
-        found = _find_hyperparams(self.opt_state)
-        if not found:
-            raise ValueError(
-                "The optimizer state holds no injected hyperparameters. Wrap the "
-                "optimizer to read them, e.g. "
-                "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)."
-            )
-        merged: dict[str, Any] = {}
-        for inject_state in found:
-            for name, value in inject_state.hyperparams.items():
-                if name in merged:
-                    raise ValueError(
-                        f"Hyperparameter {name!r} is injected by more than one "
-                        "transformation; read each from its own optimizer state "
-                        "(state.opt_state[i].hyperparams)."
-                    )
-                merged[name] = value
-        return merged
+        return injected_hyperparams(self.opt_state)
 
     def summary(self) -> str:
         """A short text summary: step, parameter counts and bytes per part.
@@ -471,14 +441,6 @@ class TrainState(pz.Struct):
                 "(state, aux = train_step(state, **batch)), or build the step "
                 "with donate=False to keep old states usable."
             )
-
-
-def _check_optimizer(optimizer_def: Any) -> None:
-    if not (hasattr(optimizer_def, "init") and hasattr(optimizer_def, "update")):
-        raise TypeError(
-            "optimizer_def must be an optax GradientTransformation (with init and "
-            f"update), e.g. optax.adam(1e-3); got {type(optimizer_def).__name__}."
-        )
 
 
 _register(TrainState)

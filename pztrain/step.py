@@ -11,22 +11,23 @@ closed over, so a penzai model's Python-level flattening is not paid per call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
 from pztrain import _step_fns
-from pztrain._step_fns import Carry, Inputs, Static, StepOutputs, key_data
+from pztrain._programs import Found, Programs, TrainPrograms, args_of
+from pztrain._step_fns import Carry, Inputs, OnDeviceBatches, Static, StepOutputs
 from pztrain.metrics import MetricSums, metric_names
-from pztrain.partition import split_rest
 from pztrain.state import DonatedStateError, TrainState, after_step
 
 __all__ = [
     "EvalFunction",
     "EvalStep",
     "LossFunction",
+    "OnDeviceBatches",
     "StepOutputs",
     "TrainStep",
     "build_eval_step",
@@ -62,84 +63,6 @@ class EvalFunction(Protocol):
         """Returns a pytree of metrics for ``model`` on one batch."""
 
 
-class OnDeviceBatches(Protocol):
-    """Batches kept on the device, from which each step takes its own.
-
-    `pztrain.data.IndexedBatches` is one. Give it to a step positionally instead
-    of keyword arrays: ``train_step(state, batches)``.
-    """
-
-    def take(self, step: jax.Array, count: int) -> dict[str, jax.Array]:
-        """The batch of ``step`` (``count`` consecutive ones stacked if > 1)."""
-
-    def batch_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """Shapes and dtypes of one batch."""
-
-
-class _Programs:
-    """A step's compiled functions, one per (model structure, optimizer).
-
-    The structure is the `Static` of a state: its rest's `RestSpec` and its root
-    key's implementation. The last lookup is remembered by identity: a run
-    passes the same ``model_without_params``, optimizer and key objects call
-    after call, so the per-call cost is three ``is`` checks.
-    """
-
-    def __init__(self, build: Callable[[Static, Any], Any]):
-        self._build = build
-        self._built: dict[tuple[Static, Any], Any] = {}
-        # The objects of the last lookup, and what it found.
-        self.last: tuple[Any, Any, Any, _Found | None] = (None, None, None, None)
-
-    def lookup(self, rest: Any, optimizer_def: Any, root_rng: Any) -> _Found:
-        """The program for a state's rest, optimizer and key, and its inputs."""
-        last = self.last
-        if last[0] is rest and last[1] is optimizer_def and last[2] is root_rng:
-            return last[3]
-        spec, arrays = split_rest(rest)
-        data, impl = key_data(root_rng)
-        static = Static(spec, impl)
-        key = (static, optimizer_def)
-        if key not in self._built:
-            self._built[key] = self._build(static, optimizer_def)
-        found = _Found(self._built[key], static, arrays, data)
-        self.last = (rest, optimizer_def, root_rng, found)
-        return found
-
-    def rebuild(self, found: _Found, arrays: list[Any], optimizer_def, root_rng):
-        """The rest built from new arrays (state variables), remembered."""
-        rest = found.static.rest.build(arrays)
-        self.last = (rest, optimizer_def, root_rng, found._replace(rest=arrays))
-        return rest
-
-
-class _Found(NamedTuple):
-    """What a call needs besides the state: the program, its static structure,
-    the rest's arrays and the key's raw data."""
-
-    program: Any
-    static: Static
-    rest: list[Any]
-    key_data: jax.Array
-
-
-class _Train:
-    """The programs of a train step for one model structure and optimizer."""
-
-    def __init__(self, step: Any, grads: Callable[[], Any], aux: Any):
-        self.step = step  # (Carry, Inputs) -> (Carry, new rest arrays, aux)
-        self._make_grads = grads
-        self._grads = None
-        self.aux = aux  # forward-only aux, for metric names
-        self.metric_names: dict[Any, tuple[str, ...]] = {}
-
-    @property
-    def grads(self) -> Any:
-        if self._grads is None:
-            self._grads = self._make_grads()
-        return self._grads
-
-
 class TrainStep:
     """A built train step: ``train_step(state, **batch) -> (state, aux)``.
 
@@ -173,16 +96,18 @@ class TrainStep:
         self.steps_per_call = steps_per_call
         self._state_shardings = state_shardings
         self._batch_shardings = batch_shardings
-        self._programs = _Programs(self._build)
+        self._programs = Programs(self._build)
 
-    def _build(self, static: Static, optimizer_def: Any) -> _Train:
+    def _build(self, static: Static, optimizer_def: Any) -> TrainPrograms:
         k, loss_fn = self.steps_per_call, self.loss_fn
         step = _step_fns.train_fn(loss_fn, static, optimizer_def, k)
         grads = _step_fns.grads_fn(loss_fn, static)
         aux = _step_fns.aux_fn(loss_fn, static)
         if not self.jit:
-            return _Train(step, lambda: grads, aux)
-        return _Train(jax.jit(step, **self._jit_options()), lambda: jax.jit(grads), aux)
+            return TrainPrograms(step, lambda: grads, aux)
+        return TrainPrograms(
+            jax.jit(step, **self._jit_options()), lambda: jax.jit(grads), aux
+        )
 
     def _jit_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {}
@@ -326,7 +251,7 @@ class TrainStep:
                 lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch
             )
         found = self._lookup(state)
-        carry, inputs = _args(state, found, batch, opt_state=False)
+        carry, inputs = args_of(state, found, batch, opt_state=False)
         names = found.program.metric_names
         key = _shapes_key((carry, inputs))
         if key not in names:
@@ -342,7 +267,7 @@ class TrainStep:
         donates nothing. Apply the grads with ``state.apply_gradients(grads)``.
         """
         found = self._lookup(state)
-        return found.program.grads(*_args(state, found, batch, opt_state=False))
+        return found.program.grads(*args_of(state, found, batch, opt_state=False))
 
     def lower(
         self, state: TrainState, batch: Any = None, /, **arrays: Any
@@ -355,27 +280,17 @@ class TrainStep:
         if not self.jit:
             raise ValueError("lower() needs a jitted step: build it with jit=True.")
         found = self._lookup(state)
-        return found.program.step.lower(*_args(state, found, _one_batch(batch, arrays)))
+        return found.program.step.lower(
+            *args_of(state, found, _one_batch(batch, arrays))
+        )
 
-    def _lookup(self, state: TrainState) -> _Found:
+    def _lookup(self, state: TrainState) -> Found:
         return self._programs.lookup(
             state.model_without_params, state.optimizer_def, state.root_rng
         )
 
 
 _make = tuple.__new__
-
-
-def _args(state: TrainState, found: _Found, batch: Any, opt_state: bool = True):
-    """The ``(Carry, Inputs)`` of ``state`` (optimizer state left out if not
-    needed, so that it is not passed in)."""
-    carry = Carry(
-        state.step,
-        state.params,
-        state.opt_state if opt_state else None,
-        state.loss_fn_state,
-    )
-    return carry, Inputs(found.key_data, found.rest, batch)
 
 
 def _one_batch(batch: Any, arrays: dict[str, Any]) -> Any:
@@ -420,11 +335,10 @@ def build_train_step(
     """Builds a train step for ``loss_fn`` (penzai's loss-function contract).
 
     Donation is on by default with ``jit=True``: the step reuses the buffers of
-    the step counter, params, optimizer state and loss-function state it is
-    given, so memory holds one copy of them. The old state is then consumed;
-    using it again raises `pztrain.DonatedStateError`.
-    ``TrainState.initial_state`` copies the model's arrays, so the model you
-    built is never donated. Pass ``donate=False`` to keep old states alive.
+    the step counter, params, optimizer and loss-function states, so memory holds
+    one copy of them; using the old state again raises
+    `pztrain.DonatedStateError` (``initial_state`` copies the model's arrays, so
+    the model you built is never donated). ``donate=False`` keeps old states.
 
     Args:
       loss_fn: ``loss_fn(*, model, state, rng, **batch) -> (loss, new_state,
@@ -459,22 +373,25 @@ def build_train_step(
       >>> round(float(state.params["w"]), 3)
       2.0
     """
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}.")
-    if not isinstance(steps_per_call, int) or steps_per_call < 1:
-        raise ValueError(f"steps_per_call must be an int >= 1; got {steps_per_call!r}.")
-    if donate is None:
-        donate = jit
-    if donate and not jit:
-        raise ValueError("donate=True needs jit=True (only jitted calls donate).")
     return TrainStep(
         loss_fn,
         jit=jit,
-        donate=donate,
+        donate=_check_build(loss_fn, jit, donate, steps_per_call),
         steps_per_call=steps_per_call,
         state_shardings=state_shardings,
         batch_shardings=batch_shardings,
     )
+
+
+def _check_build(loss_fn: Any, jit: bool, donate: bool | None, k: int) -> bool:
+    """Checks `build_train_step`'s arguments; returns whether to donate."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}.")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"steps_per_call must be an int >= 1; got {k!r}.")
+    if donate and not jit:
+        raise ValueError("donate=True needs jit=True (only jitted calls donate).")
+    return jit if donate is None else donate
 
 
 class EvalStep:
@@ -492,7 +409,7 @@ class EvalStep:
     def __init__(self, eval_fn: EvalFunction, *, jit: bool):
         self.eval_fn = eval_fn
         self.jit = jit
-        self._programs = _Programs(self._build)
+        self._programs = Programs(self._build)
 
     def _build(self, static: Static, optimizer_def: Any) -> Any:
         del optimizer_def  # evaluation does not depend on it
@@ -503,7 +420,7 @@ class EvalStep:
         """Returns ``eval_fn``'s metrics for ``state`` on ``batch``."""
         found = self._programs.lookup(state.model_without_params, None, state.root_rng)
         try:
-            return found.program(*_args(state, found, batch, opt_state=False))
+            return found.program(*args_of(state, found, batch, opt_state=False))
         except (RuntimeError, ValueError) as err:
             _donation_error(state, err)
             raise

@@ -92,22 +92,19 @@ def fit(
     with host_reads():
         start = int(state.step)
     k, per_epoch = train_step.steps_per_call, _epoch_length(train_data)
+    end = run_end(start, k, per_epoch, num_steps, num_epochs)
+    evaluates = eval_step is not None
     schedule = Schedule(
-        start=start,
-        end=run_end(start, k, per_epoch, num_steps, num_epochs),
-        steps_per_call=k,
-        log_every=log_every,
-        eval_every=eval_every,
-        steps_per_epoch=per_epoch,
-        num_epochs=num_epochs,
-        evaluates=eval_step is not None,
+        start, end, k, log_every, eval_every, per_epoch, num_epochs, evaluates
     )
     if loggers is None:
         loggers = [JsonlLogger(run_dir, resume_step=start)] if run_dir else []
     history = History()
     ckpts = [] if checkpoints is None else [checkpoints]
-    bar = _progress_bar(progress, callbacks)
-    hooks = Hooks([*bar, *callbacks, RecordLog(history, loggers), *ckpts])
+    hooks = Hooks(
+        [*_progress_bar(progress, callbacks), *callbacks, RecordLog(history, loggers)]
+        + ckpts
+    )
     run = _Run(
         train_step=train_step,
         source=batch_source(train_data, start, k, prefetch),
