@@ -34,15 +34,15 @@ def check_batch(
 ) -> int | None:
     """Checks one batch and returns its size (the shared batch axis).
 
-    Works on concrete arrays and on tracers, so the train step applies the same
-    rule while it is traced (at no cost per call).
+    Works on tracers too: the train step applies it while it is traced.
 
     Args:
       batch: A dict of arrays.
       expected_keys: Keys every batch must have (e.g. those of the first batch).
       steps_per_call: With ``k > 1``, every leaf has a leading axis ``k`` before
         its batch axis.
-      scalars: Allow leaves without a batch axis (as a train step does).
+      scalars: Allow leaves without a batch axis, and no leaves at all (as a
+        train step does: its loss function may need no batch).
 
     Returns:
       The batch-axis length shared by the leaves (``None`` if none has one).
@@ -76,7 +76,7 @@ def check_batch(
         size = _batch_axis(name, np.shape(leaf), steps_per_call, scalars)
         if size is not None:
             sizes[name] = size
-    if not seen:
+    if not seen and not scalars:
         raise BatchError("A batch needs at least one array.")
     if len(set(sizes.values())) > 1:
         raise BatchError(

@@ -99,7 +99,7 @@ def fit(
     )
     if loggers is None:
         loggers = [JsonlLogger(run_dir, resume_step=start)] if run_dir else []
-    history = History()
+    history, clock = History(), time.perf_counter
     ckpts = [] if checkpoints is None else [checkpoints]
     hooks = Hooks(
         [*_progress_bar(progress, callbacks), *callbacks, RecordLog(history, loggers)]
@@ -110,10 +110,11 @@ def fit(
         source=batch_source(train_data, start, k, prefetch),
         schedule=schedule,
         hooks=hooks,
-        reporter=Reporter(hooks, time.perf_counter, state),
+        reporter=Reporter(hooks, clock, state),
         info=_info(schedule, run_dir, hparams, callbacks),
         history=history,
         evaluate=functools.partial(evaluate, eval_step=eval_step, data=eval_data),
+        clock=clock,
     )
     with checkpoints if checkpoints is not None else contextlib.nullcontext():
         return _train(state, run), history
@@ -131,7 +132,7 @@ class _Run:
     history: History
     reporter: Reporter
     evaluate: Callable[[TrainState], dict[str, float]]
-    clock: Callable[[], float] = time.perf_counter
+    clock: Callable[[], float]  # the reporter's too
 
     def evaluation(self, state: TrainState, step: int, epoch: int):
         """Evaluates ``state`` and runs the eval hooks: ``(state, stop)``."""
