@@ -400,3 +400,31 @@ def test_mixed_parameter_trains_its_float_arrays_only():
     value = pz.unbind_params(state.model)[1][0].value
     np.testing.assert_array_equal(value["n"], [0, 1])
     np.testing.assert_array_equal(value["w"], [1.0, 1.0])
+
+
+def test_replace_runs_a_subclass_post_init_and_checks_names():
+    checked = []
+
+    class Checked(TrainState):
+        epoch: jax.Array
+
+        def __post_init__(self):
+            checked.append(int(self.epoch))
+
+    state = Checked.initial_state(
+        {"w": jnp.zeros(2)}, optax.sgd(0.1), jax.random.key(0), epoch=jnp.array(1)
+    )
+    state = state.replace(epoch=jnp.array(2))
+    step = pztrain.build_train_step(
+        lambda *, model, state, rng: (jnp.sum(model["w"] ** 2), state, {})
+    )
+    state, _ = step(state)
+    assert checked == [1, 2, 2]  # built, replaced, stepped
+    with pytest.raises(TypeError, match=re.escape("Checked has no field(s) ['epok']")):
+        state.replace(epok=1)
+    plain = TrainState.initial_state(
+        {"w": jnp.zeros(2)}, optax.sgd(0.1), jax.random.key(0)
+    )
+    moved = plain.replace(step=plain.step + 5)
+    assert int(moved.step) == 5 and int(plain.step) == 0
+    assert moved.params is plain.params and type(moved) is TrainState

@@ -290,3 +290,124 @@ def test_shardings_are_passed_to_jit():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["P('d',)", "4"]
+
+
+# ------------------------------------------------------------ one hot path
+
+
+def test_accumulate_calls_equal_single_calls_and_sum_their_metrics():
+    step = pztrain.build_train_step(_rng_loss)
+    a = _state("equinox").replace(loss_fn_state=jnp.array(0))
+    b = _state("equinox").replace(loss_fn_state=jnp.array(0))
+    losses = []
+    for _ in range(5):
+        a, aux = step(a, x=XOR_X, y=XOR_Y)
+        losses.append(float(aux["loss"]))
+    sums = step.metric_sums(b, x=XOR_X, y=XOR_Y)
+    assert sums.names == ("loss", "key_sum")
+    b, sums = step.accumulate(b, sums, {"x": XOR_X, "y": XOR_Y}, calls=5)
+    assert int(b.step) == 5 and int(b.loss_fn_state) == 5
+    for name in a.params:
+        np.testing.assert_array_equal(a.params[name], b.params[name])
+    summary = sums.read()
+    assert summary.count == 5
+    assert summary.means["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+
+
+def test_call_accumulate_and_grads_share_one_program_cache():
+    traces = []
+
+    def loss_fn(*, model, state, rng, x, y):
+        traces.append(1)
+        return xor_loss(model=model, state=state, rng=rng, x=x, y=y)
+
+    step = pztrain.build_train_step(loss_fn)
+    state = _state("penzai_v2")
+    sums = step.metric_sums(state, x=XOR_X, y=XOR_Y)  # a forward trace
+    assert len(traces) == 1
+    for _ in range(3):
+        state, _ = step(state, x=XOR_X, y=XOR_Y)
+        state, sums = step.accumulate(state, sums, x=XOR_X, y=XOR_Y)
+    assert len(traces) == 3  # one trace for the call, one for accumulate
+    state, _ = step(state, {"x": XOR_X, "y": XOR_Y})  # a positional dict: the same
+    assert len(traces) == 3
+
+
+def test_a_batch_is_keyword_arrays_or_one_positional_batch():
+    step = pztrain.build_train_step(xor_loss, donate=False)
+    state = _state("equinox")
+    by_kw, aux_kw = step(state, x=XOR_X, y=XOR_Y)
+    by_dict, aux_dict = step(state, {"x": XOR_X, "y": XOR_Y})
+    np.testing.assert_array_equal(aux_kw["loss"], aux_dict["loss"])
+    with pytest.raises(TypeError, match="not both; got dict and keys \\['y'\\]"):
+        step(state, {"x": XOR_X}, y=XOR_Y)
+
+
+def test_scalar_batch_arguments_reach_the_loss_function():
+    def scaled(*, model, state, rng, x, y, scale):
+        loss, state, aux = xor_loss(model=model, state=state, rng=rng, x=x, y=y)
+        return loss * scale, state, aux
+
+    step = pztrain.build_train_step(scaled, donate=False)
+    state = _state("equinox")
+    _, one = step(state, x=XOR_X, y=XOR_Y, scale=jnp.float32(1.0))
+    _, two = step(state, x=XOR_X, y=XOR_Y, scale=jnp.float32(2.0))
+    assert float(two["loss"]) == float(one["loss"])  # aux is the unscaled loss
+    grads1 = step.compute_grads(state, x=XOR_X, y=XOR_Y, scale=jnp.float32(1.0))
+    grads2 = step.compute_grads(state, x=XOR_X, y=XOR_Y, scale=jnp.float32(2.0))
+    assert float(grads2.loss) == pytest.approx(2 * float(grads1.loss), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make_key",
+    [
+        lambda: jax.random.key(3),
+        lambda: jax.random.key(3, impl="rbg"),
+        lambda: jax.random.PRNGKey(3),
+    ],
+    ids=["threefry", "rbg", "legacy"],
+)
+def test_every_kind_of_root_key_gives_the_contracts_keys(make_key):
+    """The key crosses jit as its raw data; inside it is the same key."""
+
+    def key_loss(*, model, state, rng, x, y):
+        loss, _, _ = xor_loss(model=model, state=None, rng=rng, x=x, y=y)
+        data = jax.random.key_data(rng) if rng.dtype != jnp.uint32 else rng
+        return loss, state, {"key": data}
+
+    root = make_key()
+    state = TrainState.initial_state(equinox_mlp(), optax.sgd(0.1), root)
+    step = pztrain.build_train_step(key_loss, donate=False)
+    evaluate = pztrain.build_eval_step(
+        lambda **kw: (
+            {"key": jax.random.key_data(kw["rng"])}
+            if kw["rng"].dtype != jnp.uint32
+            else {"key": kw["rng"]}
+        )
+    )
+    for s in range(2):
+        want = jax.random.fold_in(root, s)
+        want = jax.random.key_data(want) if want.dtype != jnp.uint32 else want
+        got = evaluate(state, x=XOR_X, y=XOR_Y)["key"]
+        eval_want = jax.random.fold_in(jax.random.fold_in(root, s), 1)
+        if eval_want.dtype != jnp.uint32:
+            eval_want = jax.random.key_data(eval_want)
+        np.testing.assert_array_equal(got, eval_want)
+        state, aux = step(state, x=XOR_X, y=XOR_Y)
+        np.testing.assert_array_equal(aux["key"], want)
+    assert state.root_rng is root  # the state keeps the key as given
+
+
+def test_bfloat16_arrays_are_params():
+    model = {"w": jnp.ones((2, 2), jnp.bfloat16), "b": jnp.zeros(2, jnp.float32)}
+    state = TrainState.initial_state(model, optax.sgd(0.5), jax.random.key(0))
+    assert sorted(state.params) == ["b", "w"]
+
+    def loss_fn(*, model, state, rng, x):
+        out = x @ model["w"].astype(jnp.float32) + model["b"][None]
+        return jnp.sum(out), state, {}
+
+    step = pztrain.build_train_step(loss_fn)
+    state, _ = step(state, x=jnp.ones((1, 2)))
+    assert state.params["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(state.params["w"], np.full((2, 2), 0.5))

@@ -1,0 +1,126 @@
+"""The package's shape: no import circles, no reaching into another module's
+private names, and an ARCHITECTURE.md that names every module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "pztrain"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path) -> tuple[set[str], dict[str, str]]:
+    """Modules of the package that ``path`` imports (anywhere in the file, type
+    checking blocks included), and the local aliases of imported modules."""
+    edges, aliases = set(), {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "pztrain"
+        ):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                if sub in MODULES:
+                    edges.add(sub)
+                    aliases[alias.asname or alias.name] = sub
+                else:
+                    edges.add(node.module)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in MODULES:
+                    edges.add(alias.name)
+    return edges, aliases
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for name, path in MODULES.items():
+        edges, _ = _imports(path)
+        # A package's __init__ re-exports its modules; importing a sibling of
+        # one's own package goes through it, so only module -> module counts.
+        graph[name] = {e for e in edges if e != name and e != "pztrain"}
+    return graph
+
+
+def test_no_import_circles():
+    graph = _graph()
+    parents = {name: name.rpartition(".")[0] for name in graph}
+    done, path = set(), []
+
+    def visit(name: str) -> None:
+        if name in done:
+            return
+        if name in path:
+            cycle = path[path.index(name) :] + [name]
+            pytest.fail("import circle: " + " -> ".join(cycle))
+        path.append(name)
+        for target in graph.get(name, ()):
+            if parents.get(name) != target:  # a module may import its package
+                visit(target)
+        path.pop()
+        done.add(name)
+
+    for name in graph:
+        visit(name)
+
+
+def test_no_module_reads_another_modules_private_names():
+    found = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        _, aliases = _imports(path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "pztrain"
+            ):
+                for alias in node.names:
+                    private = alias.name.startswith("_") and not alias.name.startswith(
+                        "__"
+                    )
+                    if private and f"{node.module}.{alias.name}" not in MODULES:
+                        found.append(f"{name} imports {node.module}.{alias.name}")
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and aliases[node.value.id] != name
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                found.append(f"{name} uses {aliases[node.value.id]}.{node.attr}")
+    assert found == []
+
+
+def test_the_leaf_modules_import_nothing_above_them():
+    graph = _graph()
+    assert graph["pztrain.records"] == set()
+    assert graph["pztrain._tree"] == set()
+    assert graph["pztrain._batch"] <= {"pztrain._tree"}
+    assert "pztrain.data" not in graph["pztrain.step"]  # a protocol is enough
+    for low in ("pztrain.state", "pztrain.step", "pztrain.metrics", "pztrain.data"):
+        above = {
+            m for m in graph[low] if m.startswith(("pztrain.loop", "pztrain.call"))
+        }
+        assert above == set(), low
+
+
+def test_architecture_md_names_every_module():
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    for name in MODULES:
+        if name == "pztrain" or name.endswith("__init__"):
+            continue
+        short = name.split(".")[-1]
+        assert f"{short}.py" in text or f"{short}/" in text, name
