@@ -19,7 +19,7 @@ import numpy as np
 
 from pztrain._batch import check_batch
 from pztrain._optax import optimizer_update
-from pztrain._tree import describe
+from pztrain._tree import describe, path_repr
 from pztrain.metrics import MetricSums
 from pztrain.partition import RestSpec
 
@@ -289,7 +289,7 @@ def _check_new_state(loss_fn_state: Any, new_state: Any) -> None:
     ):
         if np.shape(a) != np.shape(b) or jnp.result_type(a) != jnp.result_type(b):
             raise ValueError(
-                f"The loss function's new_state{jax.tree_util.keystr(path)} is "
+                f"The loss function's new_state{path_repr(path)} is "
                 f"{describe(b)} but loss_fn_state holds {describe(a)}; keep "
                 "shapes and dtypes fixed across steps."
             )

@@ -1,5 +1,9 @@
 """The shared vocabulary of pytrees: names of leaves, array tests, descriptions.
 
+A leaf has a name (`path_name`: ``"layers/0/weight"``, what params, metrics and
+batch entries are called) and a location (`path_repr`: ``"['layers'][0]"``,
+where an error points to).
+
 Every module that names a leaf (parameters, metrics, batch entries, checkpoint
 entries) or describes one in an error uses these, so a name or a ``float32[3]``
 reads the same everywhere.
@@ -25,6 +29,11 @@ def path_name(path: Sequence[Any]) -> str:
       ['a/0', 'a/1']
     """
     return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
+def path_repr(path: Sequence[Any]) -> str:
+    """A key path as Python indexing, for errors and stored paths: ``"['a'][0]"``."""
+    return jax.tree_util.keystr(tuple(path))
 
 
 def named_leaves(

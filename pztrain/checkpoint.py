@@ -30,7 +30,7 @@ import numpy as np
 
 from pztrain import _orbax
 from pztrain._targets import filled, params_of, params_target
-from pztrain._tree import describe, describe_shape, is_array, named_leaves
+from pztrain._tree import describe, describe_shape, is_array, named_leaves, path_repr
 from pztrain._version import __version__
 from pztrain.state import TrainState
 
@@ -170,7 +170,7 @@ def _param_meta(named: list[tuple[str, Any]]) -> dict[str, Any]:
 def _state_leaves(state: TrainState) -> list[tuple[str, Any]]:
     """Every leaf of the state but the params, named by key path."""
     flat = jax.tree_util.tree_flatten_with_path(state.replace(params=None))[0]
-    return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
+    return [(path_repr(path), leaf) for path, leaf in flat]
 
 
 def _state_parts(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -302,7 +302,7 @@ def _filled_state(like: TrainState, arrays: list[Any], scalars: dict) -> TrainSt
     flat, treedef = jax.tree_util.tree_flatten_with_path(like.replace(params=None))
     new_arrays = iter(arrays)
     leaves = [
-        next(new_arrays) if is_array(x) else scalars.get(jax.tree_util.keystr(p), x)
+        next(new_arrays) if is_array(x) else scalars.get(path_repr(p), x)
         for p, x in flat
     ]
     return treedef.unflatten(leaves)

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from penzai.core import variables as pz_vars
 
-from pztrain._tree import is_array, is_float_array, path_name
+from pztrain._tree import is_array, is_float_array, named_leaves, path_name, path_repr
 from pztrain.partition._model import (
     ApplyFnModel,
     ParamSlot,
@@ -27,10 +27,10 @@ def _leaf_names(prefix: str, value: Any) -> list[tuple[str, Any]]:
 
     A penzai ``NamedArray`` holds one array, so its parameter keeps its label.
     """
-    leaves = jax.tree_util.tree_flatten_with_path(value)[0]
+    leaves = named_leaves(value)
     if len(leaves) == 1:
         return [(prefix, leaves[0][1])]
-    return [(f"{prefix}/{path_name(path)}", leaf) for path, leaf in leaves]
+    return [(f"{prefix}/{name}", leaf) for name, leaf in leaves]
 
 
 def _make_filter(trainable: Trainable) -> Callable[[str, Any], bool]:
@@ -59,7 +59,7 @@ def _check_hashable(path: tuple[Any, ...], leaf: Any) -> None:
         hash(leaf)
     except TypeError:
         raise PartitionError(
-            f"Unsupported leaf at model{jax.tree_util.keystr(path)}: a "
+            f"Unsupported leaf at model{path_repr(path)}: a "
             f"{type(leaf).__name__} is neither an array nor hashable, so it can be "
             "neither trained nor treated as static structure. Convert it to an "
             "array, or mark the field static (penzai: "
@@ -175,7 +175,7 @@ def _split_pytree(model: Any, keep) -> tuple[dict[str, Any], Any]:
         _check_hashable(path, leaf)
         name = path_name(path) or "root"
         if is_float_array(leaf) and keep(name, leaf):
-            names.append((name, f"model{jax.tree_util.keystr(path)}"))
+            names.append((name, f"model{path_repr(path)}"))
             params[name] = leaf
             new_leaves.append(ParamSlot(name))
         else:
@@ -245,7 +245,7 @@ def _split_penzai_v1(model: Any, keep) -> tuple[dict[str, Any], Any]:
         if not is_param(node):
             _check_hashable(path, node)
             return node
-        where = f"model{jax.tree_util.keystr(path)}"
+        where = f"model{path_repr(path)}"
         if isinstance(node, v1.UninitializedParameter):
             raise PartitionError(
                 f"Parameter {node.name!r} at {where} is uninitialized: call "
