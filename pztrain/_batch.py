@@ -32,9 +32,7 @@ def check_batch(
     steps_per_call: int = 1,
     scalars: bool = False,
 ) -> int | None:
-    """Checks one batch and returns its size (the shared batch axis).
-
-    Works on tracers too: the train step applies it while it is traced.
+    """Checks one batch and returns its size; on tracers too (the step's trace).
 
     Args:
       batch: A dict of arrays.
@@ -48,8 +46,8 @@ def check_batch(
       The batch-axis length shared by the leaves (``None`` if none has one).
 
     Raises:
-      BatchError: naming the missing key, the non-array leaf, the leaf without a
-        batch axis, or the leaves whose batch axes differ.
+      BatchError: naming the missing key, the non-array or axis-less leaf, or
+        the leaves whose batch axes differ.
 
     Example:
       >>> import numpy as np
@@ -64,20 +62,21 @@ def check_batch(
             f"arguments); got {type(batch).__name__}."
         )
     _check_keys(batch, expected_keys)
+    leaves = named_leaves(dict(batch))
+    if not leaves and not scalars:
+        raise BatchError("A batch needs at least one array.")
     sizes: dict[str, int] = {}
-    seen = 0
-    for name, leaf in named_leaves(dict(batch)):
-        if not isinstance(leaf, np.ndarray | jax.Array | np.generic):
+    # A train step also takes Python numbers: jit makes them scalars.
+    kinds = _ARRAYS + (_NUMBERS if scalars else ())
+    for name, leaf in leaves:
+        if not isinstance(leaf, kinds):
             raise BatchError(
                 f"batch[{name!r}] is a {type(leaf).__name__}, not an array; convert "
                 "it with np.asarray (strings and Python objects cannot enter jit)."
             )
-        seen += 1
         size = _batch_axis(name, np.shape(leaf), steps_per_call, scalars)
         if size is not None:
             sizes[name] = size
-    if not seen and not scalars:
-        raise BatchError("A batch needs at least one array.")
     if len(set(sizes.values())) > 1:
         raise BatchError(
             "Batch leaves must share their leading (batch) axis; got "
@@ -85,6 +84,10 @@ def check_batch(
             + "."
         )
     return next(iter(sizes.values()), None)
+
+
+_ARRAYS = (np.ndarray, jax.Array, np.generic)
+_NUMBERS = (bool, int, float, complex)
 
 
 def _check_keys(batch: Mapping[str, Any], expected: Iterable[str] | None) -> None:

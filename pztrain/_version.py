@@ -1,3 +1,3 @@
 """The package version: one place, read by pyproject.toml and by checkpoints."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -3,9 +3,9 @@
 A callback subclasses `Callback` and overrides the hooks it needs. A hook may
 return ``None`` (nothing changes), a new `TrainState` (the loop continues with
 it), or `pztrain.Stop` (the loop ends after this point, optionally with a new
-state). Hooks run only at log, eval and epoch points, where the host has already
-read the metrics: a callback adds no device sync of its own unless it asks for
-one.
+state). Hooks run only at host points (log, eval and epoch points, and the steps
+`Callback.on_advance` asks for), where the loop is already on the host: a
+callback adds no device sync of its own unless it asks for one.
 """
 
 from __future__ import annotations
@@ -32,7 +32,27 @@ __all__ = [
     "NanPolicy",
     "ProgressBar",
     "Stop",
+    "record_only",
 ]
+
+
+def record_only(on_log: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks an ``on_log`` hook that only reads (or adds to) the record.
+
+    Such a hook never reads the state and always returns ``None`` (a display, a
+    logger). When every ``on_log`` of a run is record-only, `pztrain.fit` does
+    not wait for the device at log points: it runs them once the metrics are
+    computed, a little later, while training goes on. A subclass that overrides
+    a marked ``on_log`` is not record-only unless it marks its own.
+
+    Example:
+      >>> class Show(Callback):
+      ...     @record_only
+      ...     def on_log(self, state, record):
+      ...         print(record["step"], record["metrics"])
+    """
+    on_log.record_only = True
+    return on_log
 
 
 class Callback:
@@ -48,15 +68,9 @@ class Callback:
     runs its hooks as one ordered list: the progress bar, the callbacks in the
     order given, the loggers, then the checkpoints.
 
-    Attributes:
-      record_only: Set it to True when `on_log` only reads (or adds to) the
-        record, never reads the state and always returns ``None`` (a display,
-        a logger). When every `on_log` of a run is record-only, `fit` does not
-        wait for the device at log points: it runs them once the metrics are
-        computed, a little later, while training goes on.
+    An ``on_log`` that only reads the record can say so with `record_only`,
+    which lets log points overlap with training.
     """
-
-    record_only: bool = False
 
     def on_train_start(self, state: TrainState, info: LoopInfo) -> Any:
         """Before the first step."""
@@ -245,11 +259,10 @@ class LearningRateMonitor(Callback):
       schedule: An optax schedule (``step -> lr``) or a constant.
     """
 
-    record_only = True
-
     def __init__(self, schedule: optax.Schedule | float):
         self.schedule = schedule
 
+    @record_only
     def on_log(self, state, record):
         last_update = max(record["step"] - 1, 0)
         lr = self.schedule(last_update) if callable(self.schedule) else self.schedule
@@ -330,8 +343,6 @@ class ProgressBar(Callback):
       [10]
     """
 
-    record_only = True
-
     def __init__(
         self,
         metrics: tuple[str, ...] | None = None,
@@ -391,6 +402,7 @@ class ProgressBar(Callback):
         want = min(max(steps / seconds * self.seconds, every / 2), every * 2)
         return max(self._k, int(want) // self._k * self._k)
 
+    @record_only
     def on_log(self, state, record):
         shown = {
             k: f"{v:.4g}"

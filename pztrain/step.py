@@ -75,8 +75,7 @@ class TrainStep:
     Attributes:
       loss_fn: The loss function.
       jit: Whether the step is jitted.
-      donate: Whether the step counter, params, optimizer state, loss-function
-        state and metric sums are donated.
+      donate: Whether what a call updates (its ``Carry``) is donated.
       steps_per_call: Steps fused in one call (a ``lax.scan``).
     """
 
@@ -174,15 +173,16 @@ class TrainStep:
           state: The current state.
           sums: The sums so far.
           batch: A batch dict or `OnDeviceBatches`, or keyword ``arrays``.
-          calls: Run this many calls in a row, passing the arrays from one to
-            the next (the state is rebuilt once, at the end). Each call takes
-            the batch of its own step from `OnDeviceBatches`; a dict batch is
-            trained on ``calls`` times.
+          calls: Calls in a row (0: none); the arrays pass from one to the next
+            and the state is built once. Each call takes its own step's batch
+            from `OnDeviceBatches`; a dict batch is trained on ``calls`` times.
           **arrays: The batch arrays.
 
         Returns:
           ``(new_state, new_sums)``.
         """
+        if calls < 1:  # nothing to run (a stretch of no whole call)
+            return state, sums
         state, sums, _ = self._run(state, sums, _one_batch(batch, arrays), calls)
         return state, sums
 
@@ -212,7 +212,7 @@ class TrainStep:
         try:
             carry, new_rest, aux = step(carry, inputs)
         except (RuntimeError, ValueError) as err:
-            _donation_error(state, err)
+            _donation_error(state, err, "train_step(state, ...)")
             raise
         if calls > 1:
             carry, new_rest, aux = self._more_calls(
@@ -316,9 +316,9 @@ def _shapes_key(tree: Any) -> tuple[Any, ...]:
     return treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
 
 
-def _donation_error(state: TrainState, err: Exception) -> None:
+def _donation_error(state: TrainState, err: Exception, where: str) -> None:
     try:
-        state.check_not_donated("train_step(state, ...)")
+        state.check_not_donated(where)
     except DonatedStateError as donated:
         raise donated from err
 
@@ -422,7 +422,7 @@ class EvalStep:
         try:
             return found.program(*args_of(state, found, batch, opt_state=False))
         except (RuntimeError, ValueError) as err:
-            _donation_error(state, err)
+            _donation_error(state, err, "eval_step(state, ...)")
             raise
 
 

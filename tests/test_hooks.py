@@ -18,6 +18,7 @@ from fakes import FakeBar
 
 import pztrain
 from pztrain import Callback, History, ProgressBar, TrainState
+from pztrain.callbacks import record_only
 from pztrain.loop._hooks import Hooks, RecordLog
 from pztrain.loop._reporting import Reporter
 from pztrain.metrics import MetricSums
@@ -144,11 +145,10 @@ def test_every_on_train_end_runs_when_one_raises(tmp_path):
 class ShowsRecords(Callback):
     """A record-only on_log: it reads the record and returns nothing."""
 
-    record_only = True
-
     def __init__(self):
         self.steps = []
 
+    @record_only
     def on_log(self, state, record):
         self.steps.append(record["step"])
 
@@ -165,6 +165,12 @@ def test_record_only_callbacks_let_log_points_run_late():
     instance = Instance()
     instance.on_log = lambda state, record: None  # an instance-level hook counts
     assert not Hooks([instance]).record_only
+
+    class ReadsState(ProgressBar):  # overrides a record-only on_log, unmarked
+        def on_log(self, state, record):
+            record["metrics"]["w0"] = float(state.params["w"][0])
+
+    assert not Hooks([ReadsState()]).record_only
 
     shows = ShowsRecords()
     _, history = pztrain.fit(
@@ -301,18 +307,23 @@ def test_saves_outside_fit_are_on_disk_when_the_program_ends(tmp_path, inside_wi
     np.testing.assert_array_equal(back["w"], np.ones((1000, 1000)))
 
 
-def test_progress_takes_a_bar_and_refuses_two(monkeypatch):
+def test_progress_takes_a_bar_and_a_bar_in_callbacks_is_the_only_one(monkeypatch):
     bar = ProgressBar(metrics=("loss",), make_bar=FakeBar)
     pztrain.fit(new_state(), STEP, loader(), num_steps=4, log_every=2, progress=bar)
     assert sum(bar.bar.updates) == 4 and bar.bar.closed == 1
+    made = []
+    monkeypatch.setattr("tqdm.auto.tqdm", lambda **kw: made.append(FakeBar(**kw)))
+    mine = ProgressBar(make_bar=FakeBar)
+    pztrain.fit(new_state(), STEP, loader(), num_steps=4, callbacks=[mine])
+    assert made == [] and sum(mine.bar.updates) == 4  # no second, default bar
     with pytest.raises(
-        ValueError,
+        TypeError,
         match=re.escape(
-            "callbacks holds a ProgressBar and progress=True adds another: pass "
-            "yours as progress=ProgressBar(...), or progress=False."
+            "callbacks[0] is a Log; callbacks subclass pztrain.Callback (override "
+            "the hooks you need). Loggers go in loggers=."
         ),
     ):
-        pztrain.fit(new_state(), STEP, loader(), num_steps=4, callbacks=[ProgressBar()])
+        pztrain.fit(new_state(), STEP, loader(), num_steps=4, callbacks=[Log([])])
 
 
 def test_on_advance_asks_for_host_points():
@@ -339,3 +350,58 @@ def test_on_advance_asks_for_host_points():
     # end too, 11 by the end at 10).
     assert every3.seen == [0, 3, 4, 5, 8, 10]
     assert [r["step"] for r in history.records] == [5, 10]
+
+
+def test_an_error_mid_stretch_leaves_the_hooks_the_last_state(tmp_path):
+    """on_train_end gets the state of the last call made (not one the step
+    consumed), so the final checkpoint is saved."""
+
+    class Breaks:
+        def __iter__(self):
+            for i in range(10):
+                if i == 5:
+                    raise RuntimeError("the data broke")
+                yield {"x": X[:4], "y": Y[:4]}
+
+    class End(Callback):
+        def on_train_end(self, state, history):
+            self.step = int(state.step)
+
+    end = End()
+    with pytest.raises(RuntimeError, match="the data broke"):
+        pztrain.fit(
+            new_state(),
+            STEP,
+            Breaks(),
+            num_steps=100,
+            log_every=50,
+            callbacks=[end],
+            checkpoints=pztrain.Checkpoints(tmp_path / "c"),
+            prefetch=0,
+            progress=False,
+        )
+    # Batch 5 fails while the source looks one batch ahead for the pass's end:
+    # 4 steps ran.
+    assert end.step == 4
+    assert [p.name for p in (tmp_path / "c").iterdir()] == ["4"]
+
+
+def test_a_wish_between_calls_is_rounded_to_a_whole_call():
+    class EveryStep(Callback):
+        def on_advance(self, step, t):
+            return step + 1  # steps_per_call is 2: no call ends there
+
+    step2 = pztrain.build_train_step(loss_fn, steps_per_call=2)
+    state, history = pztrain.fit(
+        new_state(),
+        step2,
+        loader(on_device=True),
+        num_steps=8,
+        log_every=4,
+        callbacks=[EveryStep()],
+        progress=False,
+    )
+    assert int(state.step) == 8 and [r["step"] for r in history.records] == [4, 8]
+    sums = STEP.metric_sums(state, x=X[:4], y=Y[:4])
+    same, _ = STEP.accumulate(state, sums, x=X[:4], y=Y[:4], calls=0)
+    assert same is state  # no call: nothing ran, nothing was donated

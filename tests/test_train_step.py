@@ -411,3 +411,16 @@ def test_bfloat16_arrays_are_params():
     state, _ = step(state, x=jnp.ones((1, 2)))
     assert state.params["w"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(state.params["w"], np.full((2, 2), 0.5))
+
+
+def test_python_numbers_in_a_batch_work_with_and_without_jit():
+    def scaled(*, model, state, rng, x, y, scale):
+        loss, state, aux = xor_loss(model=model, state=state, rng=rng, x=x, y=y)
+        return loss * scale, state, {"scaled": loss * scale}
+
+    losses = []
+    for jit in (True, False):
+        step = pztrain.build_train_step(scaled, jit=jit)
+        _, aux = step(_state("equinox"), x=XOR_X, y=XOR_Y, scale=0.5)
+        losses.append(float(aux["scaled"]))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)

@@ -71,7 +71,8 @@ def fit(
       loggers: Default: a `pztrain.JsonlLogger` in ``run_dir``, if given.
       run_dir: The run directory for the default logger.
       hparams: Hyperparameters to log once, at the start.
-      progress: Show a `pztrain.ProgressBar` (needs tqdm), or this one.
+      progress: Show a `pztrain.ProgressBar` (needs tqdm; none is added if
+        ``callbacks`` holds one), or this one.
       prefetch: Batches moved to the device ahead of time (0 turns it off).
       checkpoints: A `pztrain.Checkpoints` that saves during the run; its saves
         are finished when ``fit`` returns or raises.
@@ -86,37 +87,35 @@ def fit(
     """
     _check_options(train_step, log_every, eval_every, eval_step, eval_data)
     _check_length(num_steps, num_epochs, checkpoints, resume)
-    callbacks = list(callbacks)
-    if resume:
-        state = checkpoints.restore_latest(state, callbacks) or state
-    with host_reads():
-        start = int(state.step)
-    k, per_epoch = train_step.steps_per_call, _epoch_length(train_data)
-    end = run_end(start, k, per_epoch, num_steps, num_epochs)
-    evaluates = eval_step is not None
-    schedule = Schedule(
-        start, end, k, log_every, eval_every, per_epoch, num_epochs, evaluates
-    )
-    if loggers is None:
-        loggers = [JsonlLogger(run_dir, resume_step=start)] if run_dir else []
-    history, clock = History(), time.perf_counter
-    ckpts = [] if checkpoints is None else [checkpoints]
-    hooks = Hooks(
-        [*_progress_bar(progress, callbacks), *callbacks, RecordLog(history, loggers)]
-        + ckpts
-    )
-    run = _Run(
-        train_step=train_step,
-        source=batch_source(train_data, start, k, prefetch),
-        schedule=schedule,
-        hooks=hooks,
-        reporter=Reporter(hooks, clock, state),
-        info=_info(schedule, run_dir, hparams, callbacks),
-        history=history,
-        evaluate=functools.partial(evaluate, eval_step=eval_step, data=eval_data),
-        clock=clock,
-    )
+    callbacks = _checked_callbacks(callbacks)
     with checkpoints if checkpoints is not None else contextlib.nullcontext():
+        if resume:
+            state = checkpoints.restore_latest(state, callbacks) or state
+        with host_reads():
+            start = int(state.step)
+        k, per_epoch = train_step.steps_per_call, _epoch_length(train_data)
+        end = run_end(start, k, per_epoch, num_steps, num_epochs)
+        evaluates = eval_step is not None
+        schedule = Schedule(
+            start, end, k, log_every, eval_every, per_epoch, num_epochs, evaluates
+        )
+        if loggers is None:
+            loggers = [JsonlLogger(run_dir, resume_step=start)] if run_dir else []
+        history, clock = History(), time.perf_counter
+        bar = _progress_bar(progress, callbacks)
+        ckpts = [] if checkpoints is None else [checkpoints]
+        hooks = Hooks([*bar, *callbacks, RecordLog(history, loggers), *ckpts])
+        run = _Run(
+            train_step=train_step,
+            source=batch_source(train_data, start, k, prefetch),
+            schedule=schedule,
+            hooks=hooks,
+            reporter=Reporter(hooks, clock, state),
+            info=_info(schedule, run_dir, hparams, callbacks),
+            history=history,
+            evaluate=functools.partial(evaluate, eval_step=eval_step, data=eval_data),
+            clock=clock,
+        )
         return _train(state, run), history
 
 
@@ -149,9 +148,9 @@ def _train(state: TrainState, run: _Run) -> TrainState:
         state, stop = hooks.run("on_train_start", state, run.info)
         wish = hooks.advance(step, run.clock())
         while stop is None and not s.done(step, epoch):
-            state, sums, ran = _stretch(
-                run, state, sums, step, s.next_point(step, wish)
-            )
+            ran, stop_at = 0, s.next_point(step, wish)
+            for done in _stretch(run, state, sums, step, stop_at):
+                state, sums, ran = done  # after each call: an error keeps it
             if not ran:
                 break
             step += ran
@@ -179,25 +178,29 @@ def _train(state: TrainState, run: _Run) -> TrainState:
 
 
 def _stretch(run: _Run, state, sums, step: int, stop_at: float):
-    """Runs the calls from ``step`` to ``stop_at``: ``(state, sums, steps run)``."""
+    """Runs the calls from ``step`` to ``stop_at``; after each batch, yields
+    ``(state, sums, steps run so far)``."""
     ran, k = 0, run.schedule.steps_per_call
     for batch, calls in run.source.stretch(step, stop_at):
         if sums is None:
             sums = run.train_step.metric_sums(state, batch)
         state, sums = run.train_step.accumulate(state, sums, batch, calls=calls)
         ran += calls * k
-    return state, sums, ran
+        yield state, sums, ran
 
 
 def _end(state: TrainState, run: _Run) -> None:
     """Ends the hooks; after an error, first emits the log point computed."""
-    with contextlib.suppress(Exception):  # the error being raised matters more
-        run.reporter.flush(state)  # (after a normal end, nothing is left)
-    run.hooks.end(state, run.history)
+    try:
+        with contextlib.suppress(Exception):  # the error being raised matters more
+            run.reporter.flush(state)  # (after a normal end, nothing is left)
+    finally:
+        run.hooks.end(state, run.history)
 
 
 def _first(stop: Stop | None, state: TrainState, new_stop: Stop | None):
-    """``(state, stop)`` keeping the earlier Stop."""
+    """``(state, stop)`` keeping the earlier Stop's reason (the hooks that
+    returned the state already replaced it)."""
     return state, stop or new_stop
 
 
@@ -240,14 +243,25 @@ def _epoch_length(train_data: Any) -> int | None:
 
 
 def _progress_bar(progress: bool | Callback, callbacks: list[Callback]) -> list:
+    """The bar that runs first: ``progress`` itself, a new `ProgressBar`, or none
+    (``progress=False``, or a `ProgressBar` already among the callbacks)."""
     if isinstance(progress, Callback):
         return [progress]
-    if progress and any(isinstance(cb, ProgressBar) for cb in callbacks):
-        raise ValueError(
-            "callbacks holds a ProgressBar and progress=True adds another: pass "
-            "yours as progress=ProgressBar(...), or progress=False."
-        )
-    return [ProgressBar()] if progress else []
+    if not progress or any(isinstance(cb, ProgressBar) for cb in callbacks):
+        return []
+    return [ProgressBar()]
+
+
+def _checked_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
+    callbacks = list(callbacks)
+    for i, cb in enumerate(callbacks):
+        if not isinstance(cb, Callback):
+            raise TypeError(
+                f"callbacks[{i}] is a {type(cb).__name__}; callbacks subclass "
+                "pztrain.Callback (override the hooks you need). Loggers go in "
+                "loggers=."
+            )
+    return callbacks
 
 
 def _info(schedule: Schedule, run_dir, hparams, callbacks) -> LoopInfo:

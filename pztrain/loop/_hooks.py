@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from pztrain.callbacks import Callback
+from pztrain.callbacks import Callback, record_only
 from pztrain.loggers import Logger
 from pztrain.records import History, Stop
 from pztrain.state import TrainState
@@ -36,20 +36,22 @@ class Hooks:
     Attributes:
       callbacks: The callbacks, in the order they run.
       record_only: Whether every ``on_log`` only reads the record (see
-        `pztrain.Callback.record_only`): log points then need not wait for the
+        `pztrain.callbacks.record_only`): log points then need not wait for the
         device.
     """
 
     def __init__(self, callbacks: Sequence[Callback]):
         self.callbacks = tuple(callbacks)
         self.record_only = all(
-            cb.record_only or not _defines(cb, "on_log") for cb in self.callbacks
+            getattr(cb.on_log, "record_only", False) or not _defines(cb, "on_log")
+            for cb in self.callbacks
         )
 
     def run(self, hook: str, state: TrainState, arg: Any) -> tuple[Any, Stop | None]:
         """Runs ``hook(state, arg)`` of each callback: ``(state, first Stop)``.
 
-        A hook returning a state hands it to the hooks after it and to the loop.
+        A hook returning a state (alone or in a `Stop`) hands it to the hooks
+        after it and to the loop; the first `Stop` gives the reason.
         """
         stop = None
         for cb in self.callbacks:
@@ -103,8 +105,6 @@ class RecordLog(Callback):
       loggers: The `pztrain.loggers.Logger` s.
     """
 
-    record_only = True
-
     def __init__(self, history: History, loggers: Sequence[Logger]):
         self.history = history
         self.loggers = tuple(loggers)
@@ -119,6 +119,7 @@ class RecordLog(Callback):
         for lg in self.loggers:
             lg.log_hparams(hparams)
 
+    @record_only
     def on_log(self, state, record):
         self._add(record)
 

@@ -58,7 +58,8 @@ class Schedule:
             if every:
                 points.append(_next_multiple(step, every))
         if wish is not None and wish > step:
-            points.append(wish)
+            k = self.steps_per_call  # steps advance by whole calls
+            points.append(-(-wish // k) * k)
         return min(points)
 
     def logs_at(self, step: int) -> bool:

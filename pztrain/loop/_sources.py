@@ -28,7 +28,7 @@ class BatchSource(Protocol):
 
     Attributes:
       ended_pass: Whether the last stretch ended a pass over the data.
-      ran_out: Whether one-shot data ran out during the last stretch.
+      ran_out: Whether one-shot data has run out.
     """
 
     ended_pass: bool
