@@ -20,7 +20,6 @@ resuming from them) are `pztrain.Checkpoints`.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,15 @@ import jax
 import numpy as np
 
 from pztrain import _orbax
+from pztrain._donation import check_alive
+from pztrain._meta import (
+    FORMAT,
+    FORMAT_VERSION,
+    CheckpointError,
+    checkpoint_dir,
+    read_metadata,
+    stored_params,
+)
 from pztrain._targets import filled, params_of, params_target
 from pztrain._tree import describe, describe_shape, is_array, named_leaves, path_repr
 from pztrain._version import __version__
@@ -44,13 +52,6 @@ __all__ = [
     "save_params",
     "save_state",
 ]
-
-FORMAT = "pztrain.checkpoint"
-FORMAT_VERSION = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupt, or does not fit the target."""
 
 
 # ----------------------------------------------------------------------------
@@ -83,6 +84,7 @@ def save_params(
       Array([1., 1.], dtype=float32)
     """
     params = params_of(state_or_params)
+    check_alive(params, "save_params", "the params to save")
     return _save(Path(directory), save_args(params, None, metadata), overwrite)
 
 
@@ -98,6 +100,7 @@ def save_state(
     Restore it with `load_state` into a state built from code. For periodic,
     asynchronous saves during `pztrain.fit`, use `pztrain.Checkpoints`.
     """
+    check_alive(state, "save_state", "the arrays of this TrainState")
     args = save_args(state.params, state, state_metadata(state, metadata))
     return _save(Path(directory), args, overwrite)
 
@@ -195,35 +198,6 @@ def _state_parts(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
 # reading
 
 
-def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
-    """Reads a checkpoint's JSON metadata (names, shapes, dtypes, metadata).
-
-    A `pztrain.Checkpoints` directory means its newest checkpoint.
-
-    Raises:
-      CheckpointError: if ``directory`` is not a complete pztrain checkpoint.
-    """
-    path = _checkpoint_dir(directory)
-    meta_file = path / "meta" / "metadata"
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(
-            f"Checkpoint {path} is incomplete or corrupt: cannot read {meta_file} "
-            f"({e})."
-        ) from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path} is not a pztrain checkpoint (format {meta.get('format')!r})."
-        )
-    if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} was written by a newer pztrain (format version "
-            f"{meta['format_version']}); upgrade pztrain to read it."
-        )
-    return meta
-
-
 def load_params(
     directory: str | os.PathLike, like: Any, *, partial: bool = False
 ) -> Any:
@@ -250,10 +224,10 @@ def load_params(
         differs (stored vs expected), or a directory that is not a complete
         checkpoint.
     """
-    path = _checkpoint_dir(directory)
+    path = checkpoint_dir(directory)
     meta = read_metadata(path)
     params, rebuild = params_target(like)
-    stored = _stored_params(meta)
+    stored = stored_params(meta)
     wanted = _check_params(path, stored, dict(named_leaves(params)), partial)
     target = {
         str(i): _abstract(*stored[n]) for i, n in enumerate(stored) if n in wanted
@@ -273,14 +247,14 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
       CheckpointError: if the checkpoint holds params only, or its names,
         paths, shapes or dtypes differ from ``like`` (each named).
     """
-    path = _checkpoint_dir(directory)
+    path = checkpoint_dir(directory)
     meta = read_metadata(path)
     if "state" not in meta:
         raise CheckpointError(
             f"{path} holds params only (save_params); use load_params, or save with "
             "save_state / Checkpoints to resume training."
         )
-    stored = _stored_params(meta)
+    stored = stored_params(meta)
     _check_params(path, stored, dict(named_leaves(like.params)), partial=False)
     like_arrays = [x for _, x in _state_leaves(like) if is_array(x)]
     _check_state(path, meta["state"], like)
@@ -306,35 +280,6 @@ def _filled_state(like: TrainState, arrays: list[Any], scalars: dict) -> TrainSt
         for p, x in flat
     ]
     return treedef.unflatten(leaves)
-
-
-def _checkpoint_dir(directory: str | os.PathLike) -> Path:
-    """Resolves a checkpoint directory (a `Checkpoints` root means its newest)."""
-    path = Path(directory)
-    if not path.exists():
-        raise CheckpointError(f"No checkpoint at {path}: the directory does not exist.")
-    if (path / "meta").is_dir():
-        return path
-    steps = [
-        int(p.name)
-        for p in path.iterdir()
-        if p.name.isdigit() and (p / "meta").is_dir()
-    ]
-    if steps:
-        return path / str(max(steps))
-    raise CheckpointError(
-        f"{path} is not a pztrain checkpoint: it has no 'meta' item and no numbered "
-        "step directories. Pass the directory that save_params/save_state wrote."
-    )
-
-
-def _stored_params(meta: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Name → (shape, dtype) of the stored params, in stored order."""
-    p = meta["params"]
-    return {
-        n: (tuple(s), d)
-        for n, s, d in zip(p["names"], p["shapes"], p["dtypes"], strict=True)
-    }
 
 
 def _check_params(

@@ -48,7 +48,9 @@ class JsonlLogger:
 
     Appending is safe across resumed runs: records after ``resume_step`` (the
     step the run resumes from) are dropped from the file first, so a resumed run
-    neither repeats nor skips a step.
+    neither repeats nor skips a step. The file is rewritten atomically (a new
+    file, flushed to disk, renamed over the old one): a run killed meanwhile
+    leaves the old records or the new ones, never an empty file.
 
     Args:
       run_dir: The directory (created if missing).
@@ -70,7 +72,7 @@ class JsonlLogger:
         self.path = self.run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_jsonl(self.run_dir) if r["step"] <= resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            _replace_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = self.path.open("a")
 
     def log_hparams(self, hparams: dict[str, Any]) -> None:
@@ -84,6 +86,16 @@ class JsonlLogger:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _replace_atomically(path: Path, text: str) -> None:
+    """Writes ``text`` to a new file, flushes it to disk, renames it to ``path``."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_jsonl(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

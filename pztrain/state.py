@@ -14,14 +14,11 @@ from penzai import pz
 from penzai.core import struct as pz_struct
 
 from pztrain import partition
+from pztrain._donation import DonatedStateError, check_alive
 from pztrain._optax import check_optimizer, injected_hyperparams, optimizer_update
 from pztrain._tree import describe
 
 __all__ = ["TrainState", "DonatedStateError"]
-
-
-class DonatedStateError(RuntimeError):
-    """A state whose arrays were donated to a train step was used again."""
 
 
 # Field names of each TrainState class, and whether it has a __post_init__.
@@ -366,6 +363,7 @@ class TrainState(pz.Struct):
 
         Reads the step from the device (one host sync).
         """
+        self.check_not_donated("state.summary()")
         rows = [
             ("params", self.params),
             ("model_without_params", self.model_without_params),
@@ -432,15 +430,8 @@ class TrainState(pz.Struct):
         )
 
     def check_not_donated(self, where: str = "this state") -> None:
-        """Raises `DonatedStateError` if the params were donated to a step."""
-        leaves = jax.tree.leaves(self.params)
-        if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
-            raise DonatedStateError(
-                f"{where}: the params of this TrainState were donated to a train "
-                "step and no longer exist. Use the state that the step returned "
-                "(state, aux = train_step(state, **batch)), or build the step "
-                "with donate=False to keep old states usable."
-            )
+        """Raises `DonatedStateError` if the state's arrays were donated to a step."""
+        check_alive((self.step, self.params), where, "the params of this TrainState")
 
 
 _register(TrainState)

@@ -88,6 +88,7 @@ def fit(
     _check_options(train_step, log_every, eval_every, eval_step, eval_data)
     _check_length(num_steps, num_epochs, checkpoints, resume)
     callbacks = _checked_callbacks(callbacks)
+    state.check_not_donated("fit(state, ...)")
     with checkpoints if checkpoints is not None else contextlib.nullcontext():
         if resume:
             state = checkpoints.restore_latest(state, callbacks) or state
