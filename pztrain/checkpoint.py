@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -111,9 +112,48 @@ def _save(path: Path, args: Any, overwrite: bool) -> Path:
             f"{path} exists; pass overwrite=True to replace it, or choose another "
             "directory."
         )
-    with _orbax.checkpointer() as checkpointer:
-        checkpointer.save(path.absolute(), args=args, force=overwrite)
+    # Write beside the target first: an existing checkpoint is replaced only
+    # once the new one is complete, so a failed save loses nothing.
+    new = path.with_name(f".{path.name}.saving")
+    _remove_partial(new)
+    try:
+        with _orbax.checkpointer() as checkpointer:
+            checkpointer.save(new.absolute(), args=args)
+    except BaseException:
+        _remove_partial(new)
+        raise
+    if path.exists():
+        old = path.with_name(f".{path.name}.replaced")
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+        new.rename(path)
+        shutil.rmtree(old)
+    else:
+        new.rename(path)
     return path
+
+
+def _check_json(value: Any, where: str) -> None:
+    """Raises `CheckpointError` naming the first entry JSON cannot hold."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise CheckpointError(f"{where} has a non-string key {k!r}.")
+            _check_json(v, f"{where}[{k!r}]")
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _check_json(v, f"{where}[{i}]")
+    elif not isinstance(value, str | int | float | bool) and value is not None:
+        raise CheckpointError(
+            f"{where} is a {type(value).__name__}, which JSON cannot hold; store "
+            "numbers, strings, lists and dicts (e.g. float(x), str(x))."
+        )
+
+
+def _remove_partial(new: Path) -> None:
+    """Removes a save's directory and orbax's temporaries for it."""
+    for leftover in [new, *new.parent.glob(f"{new.name}.orbax-checkpoint-tmp*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def save_args(
@@ -131,6 +171,7 @@ def save_args(
       item handlers are pztrain's.
     """
     ocp = _orbax.ocp()
+    _check_json(metadata or {}, "metadata")
     named = named_leaves(params)
     meta: dict[str, Any] = {
         "format": FORMAT,

@@ -15,6 +15,7 @@ from typing import Any
 
 from pztrain import _orbax, checkpoint
 from pztrain.callbacks import Callback
+from pztrain.records import jsonable
 from pztrain.state import DonatedStateError, TrainState
 
 __all__ = ["Checkpoints"]
@@ -216,7 +217,7 @@ class Checkpoints(Callback):
     # -- callback hooks
 
     def on_train_start(self, state, info):
-        self._hparams = dict(info.hparams)
+        self._hparams = jsonable(dict(info.hparams))
         self._callbacks = tuple(info.callbacks)
         if self._last_saved is None:
             self._last_saved = info.start_step

@@ -7,10 +7,11 @@ points only, already on the host.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+from pztrain.records import jsonable
 
 __all__ = ["JsonlLogger", "Logger", "TensorBoardLogger", "read_jsonl"]
 
@@ -27,20 +28,6 @@ class Logger(Protocol):
 
     def close(self) -> None:
         """Flushes and releases files (called once, at the end)."""
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, bool | int | str) or value is None:
-        return value
-    try:
-        f = float(value)
-    except (TypeError, ValueError):
-        return repr(value)
-    return f if math.isfinite(f) else str(f)
 
 
 class JsonlLogger:
@@ -77,11 +64,11 @@ class JsonlLogger:
 
     def log_hparams(self, hparams: dict[str, Any]) -> None:
         (self.run_dir / "hparams.json").write_text(
-            json.dumps(_jsonable(hparams), indent=2, sort_keys=True)
+            json.dumps(jsonable(hparams), indent=2, sort_keys=True)
         )
 
     def log_record(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(_jsonable(record)) + "\n")
+        self._file.write(json.dumps(jsonable(record)) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -126,7 +113,7 @@ class TensorBoardLogger:
         self._writer = SummaryWriter(logdir=str(self.run_dir))
 
     def log_hparams(self, hparams: dict[str, Any]) -> None:
-        text = json.dumps(_jsonable(hparams), indent=2, sort_keys=True)
+        text = json.dumps(jsonable(hparams), indent=2, sort_keys=True)
         self._writer.add_text("hparams", f"```\n{text}\n```", global_step=0)
 
     def log_record(self, record: dict[str, Any]) -> None:

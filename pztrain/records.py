@@ -7,10 +7,11 @@ speak of; this module imports nothing else of pztrain.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["History", "LoopInfo", "Stop"]
+__all__ = ["History", "LoopInfo", "Stop", "jsonable"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,3 +125,25 @@ class History:
         ax.set_xlabel("step")
         ax.legend()
         return ax
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as JSON can hold it: NumPy and JAX scalars as floats, tuples as
+    lists, non-finite floats and other objects as strings.
+
+    Example:
+      >>> import numpy as np
+      >>> jsonable({"lr": np.float32(0.5), "pair": (1, 2), "x": float("nan")})
+      {'lr': 0.5, 'pair': [1, 2], 'x': 'nan'}
+    """
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return repr(value)
+    return f if math.isfinite(f) else str(f)

@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -125,3 +126,67 @@ def test_a_resumed_log_is_rewritten_atomically(tmp_path, monkeypatch):
     JsonlLogger(tmp_path, resume_step=4).close()
     assert [r["step"] for r in read_jsonl(tmp_path)] == [2, 4]
     assert not list(tmp_path.glob("*.tmp"))
+
+
+# ------------------------------------------------------- overwrite=True
+
+
+@pytest.mark.parametrize("save", [pztrain.save_params, pztrain.save_state])
+def test_a_failed_overwrite_keeps_the_old_checkpoint(tmp_path, save):
+    state, _ = STEP(new_state(), x=X)
+    save(tmp_path / "ck", state)
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape("metadata['run'][1] is a object, which JSON cannot hold"),
+    ):
+        save(tmp_path / "ck", state, metadata={"run": [1, object()]}, overwrite=True)
+    back = pztrain.load_params(tmp_path / "ck", new_state())
+    assert float(back.params["w"][0]) == float(state.params["w"][0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no leftovers
+    later, _ = STEP(state, x=X)
+    save(tmp_path / "ck", later, overwrite=True)  # a good overwrite replaces it
+    back = pztrain.load_params(tmp_path / "ck", new_state())
+    assert float(back.params["w"][0]) == float(later.params["w"][0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_a_save_that_fails_midway_leaves_the_old_checkpoint_and_no_temporaries(
+    tmp_path, monkeypatch
+):
+    state, _ = STEP(new_state(), x=X)
+    pztrain.save_params(tmp_path / "ck", state)
+    import pztrain._orbax as orbax_settings
+
+    class DiskFull:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def save(self, directory, args):
+            directory.mkdir()  # some of it was written ...
+            (directory / "part").write_text("x")
+            raise OSError(28, "No space left on device")  # ... then the disk filled
+
+    monkeypatch.setattr(orbax_settings, "checkpointer", DiskFull)
+    with pytest.raises(OSError, match="No space left"):
+        pztrain.save_params(tmp_path / "ck", new_state(), overwrite=True)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    back = pztrain.load_params(tmp_path / "ck", new_state())
+    assert float(back.params["w"][0]) == float(state.params["w"][0])
+
+
+def test_checkpoints_store_numpy_hyperparameters_as_json(tmp_path):
+    _, _ = pztrain.fit(
+        new_state(),
+        STEP,
+        [{"x": X}],
+        num_steps=2,
+        hparams={"lr": np.float32(0.1), "sizes": (3, 1)},
+        checkpoints=pztrain.Checkpoints(tmp_path / "c"),
+        progress=False,
+    )
+    meta = pztrain.read_metadata(tmp_path / "c")
+    assert meta["metadata"]["hparams"] == {"lr": pytest.approx(0.1), "sizes": [3, 1]}
