@@ -17,6 +17,7 @@ from pztrain.callbacks import (
 )
 from pztrain.checkpoint import (
     CheckpointError,
+    CheckpointMismatchError,
     export_safetensors,
     import_safetensors,
     load_params,
@@ -48,6 +49,7 @@ __all__ = [
     "BatchError",
     "Callback",
     "CheckpointError",
+    "CheckpointMismatchError",
     "Checkpoints",
     "DonatedStateError",
     "EarlyStopping",

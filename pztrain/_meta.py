@@ -11,6 +11,7 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "CheckpointError",
+    "CheckpointMismatchError",
     "checkpoint_dir",
     "read_metadata",
     "stored_params",
@@ -22,6 +23,14 @@ FORMAT_VERSION = 1
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt, or does not fit the target."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A readable checkpoint whose structure differs from the target's.
+
+    Another model or optimizer, not corruption: resuming refuses it (and touches
+    nothing) instead of skipping it.
+    """
 
 
 def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:

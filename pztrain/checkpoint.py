@@ -34,6 +34,7 @@ from pztrain._meta import (
     FORMAT,
     FORMAT_VERSION,
     CheckpointError,
+    CheckpointMismatchError,
     checkpoint_dir,
     read_metadata,
     stored_params,
@@ -45,6 +46,7 @@ from pztrain.state import TrainState
 
 __all__ = [
     "CheckpointError",
+    "CheckpointMismatchError",
     "export_safetensors",
     "import_safetensors",
     "load_params",
