@@ -46,8 +46,9 @@ def check_batch(
       The batch-axis length shared by the leaves (``None`` if none has one).
 
     Raises:
-      BatchError: naming the missing key, the non-array or axis-less leaf, or
-        the leaves whose batch axes differ.
+      BatchError: naming the missing key, the non-array, ``None`` or axis-less
+        leaf, the leaves whose batch axes differ, or a leaf of a batch of zero
+        examples (an empty batch is an error, not a step on nothing).
 
     Example:
       >>> import numpy as np
@@ -62,32 +63,55 @@ def check_batch(
             f"arguments); got {type(batch).__name__}."
         )
     _check_keys(batch, expected_keys)
-    leaves = named_leaves(dict(batch))
+    leaves = named_leaves(dict(batch), is_leaf=_is_none)  # None is no pytree leaf
     if not leaves and not scalars:
         raise BatchError("A batch needs at least one array.")
     sizes: dict[str, int] = {}
-    # A train step also takes Python numbers: jit makes them scalars.
-    kinds = _ARRAYS + (_NUMBERS if scalars else ())
     for name, leaf in leaves:
-        if not isinstance(leaf, kinds):
-            raise BatchError(
-                f"batch[{name!r}] is a {type(leaf).__name__}, not an array; convert "
-                "it with np.asarray (strings and Python objects cannot enter jit)."
-            )
+        _check_leaf(name, leaf, scalars)
         size = _batch_axis(name, np.shape(leaf), steps_per_call, scalars)
         if size is not None:
             sizes[name] = size
+    return _shared_size(sizes)
+
+
+_ARRAYS = (np.ndarray, jax.Array, np.generic)
+_NUMBERS = (bool, int, float, complex)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _check_leaf(name: str, leaf: Any, scalars: bool) -> None:
+    if leaf is None:
+        raise BatchError(
+            f"batch[{name!r}] is None; give it an array or drop the key (the "
+            "loss function would get None)."
+        )
+    # A train step also takes Python numbers: jit makes them scalars.
+    if not isinstance(leaf, _ARRAYS + (_NUMBERS if scalars else ())):
+        raise BatchError(
+            f"batch[{name!r}] is a {type(leaf).__name__}, not an array; convert "
+            "it with np.asarray (strings and Python objects cannot enter jit)."
+        )
+
+
+def _shared_size(sizes: dict[str, int]) -> int | None:
+    """The batch size all leaves share (``None`` if no leaf has a batch axis)."""
     if len(set(sizes.values())) > 1:
         raise BatchError(
             "Batch leaves must share their leading (batch) axis; got "
             + ", ".join(f"{k}: {v}" for k, v in sizes.items())
             + "."
         )
-    return next(iter(sizes.values()), None)
-
-
-_ARRAYS = (np.ndarray, jax.Array, np.generic)
-_NUMBERS = (bool, int, float, complex)
+    name, size = next(iter(sizes.items()), (None, None))
+    if size == 0:
+        raise BatchError(
+            f"The batch has 0 examples (batch[{name!r}] has batch axis 0); every "
+            "batch needs at least one: skip empty batches (a mean over none is NaN)."
+        )
+    return size
 
 
 def _check_keys(batch: Mapping[str, Any], expected: Iterable[str] | None) -> None:

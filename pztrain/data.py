@@ -115,8 +115,9 @@ class ArrayLoader:
         needs ``drop_remainder=True``.
 
     Raises:
-      BatchError: if the arrays are not a dict of equally long arrays, or
-        ``batch_size`` exceeds the data with ``drop_remainder=True``.
+      BatchError: if the arrays are not a dict of equally long numeric arrays
+        (naming the column), hold no examples, or ``batch_size`` exceeds the
+        data with ``drop_remainder=True``.
 
     Example:
       >>> import numpy as np
@@ -139,9 +140,9 @@ class ArrayLoader:
         drop_remainder: bool = True,
         on_device: bool = False,
     ):
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not _is_int(batch_size) or batch_size < 1:
             raise BatchError(f"batch_size must be an int >= 1; got {batch_size!r}.")
-        self.arrays = {k: np.asarray(v) for k, v in dict(arrays).items()}
+        self.arrays = _columns(arrays)
         self.num_examples = check_batch(self.arrays)
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -271,6 +272,59 @@ class ArrayLoader:
             if len(pending) == steps_per_call:
                 yield stack_batches(pending)
                 pending = []
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _columns(arrays: Any) -> dict[str, np.ndarray]:
+    """`ArrayLoader`'s arrays as NumPy arrays, checked column by column."""
+    if not hasattr(arrays, "keys"):  # a dict, or what dict() reads as one
+        raise BatchError(
+            "ArrayLoader takes a dict name -> array (e.g. {'x': x, 'y': y}; the "
+            f"names are the loss function's arguments); got {type(arrays).__name__}."
+        )
+    columns = {}
+    for name, value in dict(arrays).items():
+        if not isinstance(name, str):
+            raise BatchError(
+                "ArrayLoader's column names must be strings (the loss function's "
+                f"arguments); got {name!r}."
+            )
+        columns[name] = _column(name, value)
+    if not columns:
+        raise BatchError("ArrayLoader needs at least one column; got an empty dict.")
+    if all(c.shape[:1] == (0,) for c in columns.values()):
+        name, column = next(iter(columns.items()))
+        raise BatchError(
+            f"ArrayLoader got 0 examples (column {name!r} has shape "
+            f"{list(column.shape)}); pass at least one example."
+        )
+    return columns
+
+
+def _column(name: str, value: Any) -> np.ndarray:
+    if value is None or isinstance(value, Mapping):
+        got = "None" if value is None else f"a {type(value).__name__}"
+        raise BatchError(
+            f"Column {name!r} is {got}; ArrayLoader takes one array per name (a "
+            "flat dict of arrays)."
+        )
+    try:
+        column = np.asarray(value)
+    except ValueError as e:  # ragged nested lists
+        raise BatchError(
+            f"Column {name!r} is not a rectangular array ({e}); give every example "
+            "the same shape (pad them)."
+        ) from None
+    if not (jnp.issubdtype(column.dtype, jnp.number) or column.dtype == np.bool_):
+        raise BatchError(
+            f"Column {name!r} has dtype {column.dtype}, not numbers or bools; "
+            "encode it as numbers first (e.g. token ids for strings): only "
+            "numeric arrays enter jit."
+        )
+    return column
 
 
 _DONE = object()
