@@ -21,11 +21,26 @@ class Stop:
     Attributes:
       reason: Why; recorded in ``History.stop_reason``.
       state: A `pztrain.TrainState` to finish with (e.g. the best params), or
-        ``None``.
+        ``None`` (`pztrain.fit` refuses anything else, naming the hook).
+
+    Raises:
+      TypeError: if ``reason`` is not a string (e.g. ``Stop(state)``).
+
+    Example:
+      >>> Stop("loss is low enough").reason
+      'loss is low enough'
     """
 
     reason: str
     state: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reason, str):
+            raise TypeError(
+                "Stop(reason, state=None) takes the reason as a string first; got "
+                f"a {type(self.reason).__name__}. To finish with a state, pass "
+                "Stop('why', state=state)."
+            )
 
 
 @dataclasses.dataclass(frozen=True)

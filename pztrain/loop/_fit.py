@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import numbers
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import NoneType
 from typing import Any
 
 from pztrain.callbacks import Callback, ProgressBar
@@ -83,12 +85,13 @@ def fit(
       ``(state, history)``.
 
     Raises:
+      TypeError: for an argument of the wrong type (named in the message).
       ValueError: for inconsistent options (named in the message).
     """
-    _check_options(train_step, log_every, eval_every, eval_step, eval_data)
+    _check_parts(state, train_step, train_data, eval_step, eval_data, hparams)
+    _check_options(train_step, log_every, eval_every, eval_step, eval_data, prefetch)
     _check_length(num_steps, num_epochs, checkpoints, resume)
-    callbacks = _checked_callbacks(callbacks)
-    state.check_not_donated("fit(state, ...)")
+    callbacks, loggers = _checked_callbacks(callbacks), _checked_loggers(loggers)
     with checkpoints if checkpoints is not None else contextlib.nullcontext():
         if resume:
             state = checkpoints.restore_latest(state, callbacks) or state
@@ -215,16 +218,28 @@ def _stop_reason(stop: Stop | None, source: BatchSource) -> str | None:
 # wiring
 
 
-def _check_options(train_step, log_every, eval_every, eval_step, eval_data) -> None:
+def _check_options(
+    train_step, log_every, eval_every, eval_step, eval_data, prefetch
+) -> None:
     k = train_step.steps_per_call
     for name, value in (("log_every", log_every), ("eval_every", eval_every)):
-        if value is not None and (not isinstance(value, int) or value < 1 or value % k):
+        if value is not None and (not _is_count(value) or value < 1 or value % k):
             raise ValueError(
                 f"{name} must be a positive multiple of steps_per_call={k}; got "
                 f"{value!r}."
             )
     if (eval_step is None) != (eval_data is None):
         raise ValueError("eval_step and eval_data go together: pass both or neither.")
+    if eval_every is not None and eval_step is None:
+        raise ValueError(
+            f"eval_every={eval_every!r} needs eval_step and eval_data: pass both, "
+            "or drop eval_every."
+        )
+    if not _is_count(prefetch) or prefetch < 0:
+        raise ValueError(
+            f"prefetch must be an int >= 0 (batches moved to the device ahead; 0 "
+            f"turns it off); got {prefetch!r}."
+        )
 
 
 def _check_length(num_steps, num_epochs, checkpoints, resume) -> None:
@@ -232,8 +247,50 @@ def _check_length(num_steps, num_epochs, checkpoints, resume) -> None:
         raise ValueError("Say how long to train: pass num_steps or num_epochs.")
     if num_steps is not None and num_epochs is not None:
         raise ValueError("Pass num_steps or num_epochs, not both.")
+    for name, value in (("num_steps", num_steps), ("num_epochs", num_epochs)):
+        if value is not None and (not _is_count(value) or value < 0):
+            raise ValueError(
+                f"{name} must be an int >= 0 (the total to reach); got {value!r}."
+            )
+    if checkpoints is not None and not isinstance(checkpoints, Checkpoints):
+        raise TypeError(
+            "checkpoints must be a pztrain.Checkpoints (e.g. "
+            f"checkpoints=Checkpoints('run/ckpt')); got {type(checkpoints).__name__}."
+        )
     if resume and checkpoints is None:
         raise ValueError("resume=True needs checkpoints=Checkpoints(directory).")
+
+
+def _check_parts(state, train_step, train_data, eval_step, eval_data, hparams) -> None:
+    """The types of `fit`'s main arguments (each error names the argument), and
+    a state whose arrays a step consumed."""
+    for name, value, kind, what in (
+        ("state", state, TrainState, "a pztrain.TrainState (initial_state, create)"),
+        ("train_step", train_step, TrainStep, "a TrainStep (build_train_step)"),
+        ("eval_step", eval_step, (EvalStep, NoneType), "an EvalStep or None"),
+        ("hparams", hparams, (Mapping, NoneType), "a dict name -> value, or None"),
+    ):
+        if not isinstance(value, kind):
+            raise TypeError(f"{name} must be {what}; got {type(value).__name__}.")
+    state.check_not_donated("fit(state, ...)")
+    for name, data in (("train_data", train_data), ("eval_data", eval_data)):
+        if isinstance(data, Mapping):
+            raise TypeError(
+                f"{name} is a {type(data).__name__}, one batch; pass "
+                "ArrayLoader(arrays, batch_size) or a list of batch dicts."
+            )
+        if data is not None and not isinstance(data, Iterable):
+            raise TypeError(
+                f"{name} must be an ArrayLoader or an iterable of batch dicts; got "
+                f"{type(data).__name__}."
+            )
+    if train_data is None:
+        raise TypeError("train_data is None; pass an ArrayLoader or a list of batches.")
+
+
+def _is_count(value: Any) -> bool:
+    """An integer (Python or NumPy), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _epoch_length(train_data: Any) -> int | None:
@@ -254,6 +311,11 @@ def _progress_bar(progress: bool | Callback, callbacks: list[Callback]) -> list:
 
 
 def _checked_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
+    if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
+        raise TypeError(
+            "callbacks must be a list of pztrain.Callback (callbacks=[...]); got "
+            f"{type(callbacks).__name__}."
+        )
     callbacks = list(callbacks)
     for i, cb in enumerate(callbacks):
         if not isinstance(cb, Callback):
@@ -263,6 +325,29 @@ def _checked_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
                 "loggers=."
             )
     return callbacks
+
+
+def _checked_loggers(loggers: Sequence[Logger] | None) -> list[Logger] | None:
+    if loggers is None:
+        return None
+    if isinstance(loggers, Logger) or not isinstance(loggers, Iterable):
+        raise TypeError(
+            "loggers must be a list of loggers (loggers=[...]); got "
+            f"{type(loggers).__name__}."
+        )
+    loggers = list(loggers)
+    for i, lg in enumerate(loggers):
+        if isinstance(lg, Callback):
+            raise TypeError(
+                f"loggers[{i}] is a {type(lg).__name__}, a Callback; callbacks go "
+                "in callbacks=."
+            )
+        if not isinstance(lg, Logger):
+            raise TypeError(
+                f"loggers[{i}] has type {type(lg).__name__}; a logger has "
+                "log_hparams, log_record and close (pztrain.loggers.Logger)."
+            )
+    return loggers
 
 
 def _info(schedule: Schedule, run_dir, hparams, callbacks) -> LoopInfo:

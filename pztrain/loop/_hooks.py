@@ -11,7 +11,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
+from pztrain._tree import describe
 from pztrain.callbacks import Callback, record_only
 from pztrain.loggers import Logger
 from pztrain.records import History, Stop
@@ -51,22 +54,22 @@ class Hooks:
         """Runs ``hook(state, arg)`` of each callback: ``(state, first Stop)``.
 
         A hook returning a state (alone or in a `Stop`) hands it to the hooks
-        after it and to the loop; the first `Stop` gives the reason.
+        after it and to the loop; the first `Stop` gives the reason. A returned
+        state's ``step`` given as a Python or NumPy integer becomes a JAX scalar
+        of the step's dtype (so checkpoints and the step see one structure).
+
+        Raises:
+          TypeError: naming the hook, if it returns anything but ``None``, a
+            `TrainState` or a `Stop` (whose state is one or ``None``), or a
+            state whose step is not an integer scalar.
         """
         stop = None
         for cb in self.callbacks:
             with host_reads():
                 out = getattr(cb, hook)(state, arg)
-            if isinstance(out, Stop):
-                stop = stop or out
-                state = state if out.state is None else out.state
-            elif isinstance(out, TrainState):
-                state = out
-            elif out is not None:
-                raise TypeError(
-                    f"{type(cb).__name__}.{hook} returned a {type(out).__name__}; "
-                    "hooks return None, a TrainState or pztrain.callbacks.Stop."
-                )
+            if out is not None:
+                state, new_stop = _taken(f"{type(cb).__name__}.{hook}", out, state)
+                stop = stop or new_stop
         return state, stop
 
     def end(self, state: TrainState, history: History) -> None:
@@ -87,6 +90,41 @@ class Hooks:
         wishes = [cb.on_advance(step, t) for cb in self.callbacks]
         wishes = [w for w in wishes if w is not None]
         return min(wishes) if wishes else None
+
+
+def _taken(where: str, out: Any, state: TrainState) -> tuple[TrainState, Any]:
+    """``(state, stop)`` from what the hook ``where`` returned, checked."""
+    stop = out if isinstance(out, Stop) else None
+    new = out.state if stop is not None else out
+    if stop is not None and new is None:
+        return state, stop
+    if isinstance(new, TrainState):
+        return _with_array_step(where, new, state), stop
+    if stop is not None:
+        raise TypeError(
+            f"{where} returned Stop(state=<{type(new).__name__}>); Stop.state is a "
+            "TrainState to finish with (e.g. state.replace(params=best)) or None."
+        )
+    raise TypeError(
+        f"{where} returned a {type(out).__name__}; hooks return None, a TrainState "
+        "or pztrain.callbacks.Stop."
+    )
+
+
+def _with_array_step(where: str, new: TrainState, old: TrainState) -> TrainState:
+    """``new`` with its step as a JAX integer scalar of ``old``'s step dtype."""
+    step, dtype = new.step, getattr(old.step, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        dtype = np.dtype(np.int32)
+    if isinstance(step, jax.Array) and step.dtype == dtype and step.shape == ():
+        return new
+    kind = step.dtype if hasattr(step, "dtype") else np.asarray(step).dtype
+    if np.ndim(step) == 0 and jnp.issubdtype(kind, jnp.integer):  # bool is not
+        return new.replace(step=jnp.asarray(step, dtype))
+    raise TypeError(
+        f"{where} returned a state whose step is {describe(step)}; a step is an "
+        "integer scalar: keep state.step, or set it with jnp.asarray(n, jnp.int32)."
+    )
 
 
 def _defines(cb: Callback, hook: str) -> bool:
