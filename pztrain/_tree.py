@@ -63,6 +63,23 @@ def is_float_array(x: Any) -> bool:
     return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+def all_finite(tree: Any) -> bool:
+    """Whether every floating-point array in ``tree`` is finite (one device read).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> all_finite({"w": jnp.ones(2), "n": 3}), all_finite([jnp.array(jnp.nan)])
+      (True, False)
+    """
+    floats = [x for x in jax.tree.leaves(tree) if is_float_array(x)]
+    return bool(_all_finite(floats)) if floats else True
+
+
+@jax.jit
+def _all_finite(arrays: list[Any]) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in arrays]))
+
+
 def describe_shape(shape: Sequence[int], dtype: Any) -> str:
     """``dtype[shape]``, the way errors show an array: ``float32[128, 3]``."""
     name = dtype if isinstance(dtype, str) else getattr(dtype, "name", str(dtype))

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from pztrain._optax import states_of
+from pztrain._tree import all_finite
 from pztrain.records import LoopInfo, Stop
 
 if TYPE_CHECKING:
@@ -83,6 +84,14 @@ class Callback:
 
     def on_epoch_end(self, state: TrainState, epoch: int) -> Any:
         """After the last step of each epoch (``epoch`` counts from 0)."""
+
+    def on_point_end(self, state: TrainState, step: int) -> Any:
+        """After every other hook of a host point (log, epoch end, evaluation).
+
+        The state is final for ``step``: nothing at this point changes it any
+        more. `pztrain.Checkpoints` saves here, so a checkpoint holds the effects
+        of everything its step did (its evaluation record included).
+        """
 
     def on_train_end(self, state: TrainState, history: History) -> Any:
         """After the last step, whatever ended the run (exceptions included).
@@ -279,7 +288,11 @@ class NanPolicy(Callback):
       mode: ``"stop"`` ends training at the next log point, naming the first
         non-finite step. ``"skip"`` requires the optimizer to be wrapped in
         ``optax.apply_if_finite``, which drops non-finite updates on device; the
-        number skipped is logged as ``skipped_updates``.
+        number skipped is logged as ``skipped_updates``. If it gives up (more
+        consecutive non-finite updates than its ``max_consecutive_errors``: it
+        then applies them), training stops at the next log point.
+
+    Either way `pztrain.Checkpoints` never saves params that are not finite.
     """
 
     def __init__(self, mode: str = "stop"):
@@ -297,12 +310,22 @@ class NanPolicy(Callback):
 
     def on_log(self, state, record):
         if self.mode == "skip":
-            found = _apply_if_finite_state(state.opt_state)
-            record["metrics"]["skipped_updates"] = float(found.total_notfinite)
-            return None
+            return self._skip(state, record)
         first = record.get("first_nonfinite_step", -1)
         if first >= 0:
             return Stop(f"non-finite loss at step {first}")
+        return None
+
+    def _skip(self, state, record):
+        found = _apply_if_finite_state(state.opt_state)
+        if record.get("nonfinite_steps") and not all_finite(state.params):
+            return Stop(
+                "optax.apply_if_finite gave up (more consecutive non-finite updates "
+                f"than its max_consecutive_errors; {int(found.notfinite_count)} in a "
+                f"row from step {record['first_nonfinite_step']}): the params are not "
+                "finite. Raise max_consecutive_errors or find the source of the NaN."
+            )
+        record["metrics"]["skipped_updates"] = float(found.total_notfinite)
         return None
 
 

@@ -1,19 +1,23 @@
 """`Checkpoints`: periodic full-state checkpoints during `pztrain.fit`, and resume.
 
 The policy (when to save, which checkpoints to keep, resuming from the newest
-readable one) lives here, over an orbax ``CheckpointManager``; what a checkpoint
-holds on disk is `pztrain.checkpoint`'s format.
+readable one, what a directory may already hold) lives here, over an orbax
+``CheckpointManager``; what a checkpoint holds on disk is `pztrain.checkpoint`'s
+format.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pztrain import _orbax, checkpoint
+from pztrain import _ckpt_dir, _orbax, checkpoint
+from pztrain._donation import check_alive
+from pztrain._tree import all_finite
 from pztrain.callbacks import Callback
 from pztrain.records import jsonable
 from pztrain.state import DonatedStateError, TrainState
@@ -36,6 +40,11 @@ class Checkpoints(Callback):
     KeyboardInterrupt included; outside them, `save` returns once the
     checkpoint is on disk, so a program that ends right after it loses nothing.
 
+    A step's checkpoint is written once everything at that step ran (log,
+    evaluation, callbacks); nothing is dropped silently (a used directory, an
+    existing step, a failed background save are errors); params that are not
+    finite are never saved. README's checkpoint section lists the guarantees.
+
     Args:
       directory: The root directory; each checkpoint is ``<directory>/<step>``.
       every_steps: Save at the first log, eval or epoch point at least this many
@@ -47,6 +56,9 @@ class Checkpoints(Callback):
       monitor: ``"eval/<name>"`` or a train metric name, for best-k.
       mode: ``"min"`` or ``"max"``.
       async_save: Write in the background while training continues.
+      overwrite: Let a run that does not resume delete the checkpoints the
+        directory holds (with a warning naming them), and let `save` replace a
+        step that exists.
     """
 
     def __init__(
@@ -61,15 +73,9 @@ class Checkpoints(Callback):
         monitor: str = "eval/loss",
         mode: str = "min",
         async_save: bool = True,
+        overwrite: bool = False,
     ):
-        if mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min' or 'max'; got {mode!r}.")
-        if keep_last < 1:
-            raise ValueError(
-                f"keep_last must be >= 1 (resume needs the newest); got {keep_last}."
-            )
-        if every_steps is not None and every_steps < 1:
-            raise ValueError(f"every_steps must be >= 1; got {every_steps}.")
+        _check_args(mode, keep_last, keep_best, every_steps)
         self.directory = Path(directory).absolute()
         self.every_steps = every_steps
         self.at_epoch_end = at_epoch_end
@@ -77,12 +83,19 @@ class Checkpoints(Callback):
         self.keep_last, self.keep_best = keep_last, keep_best
         self.monitor, self.mode = monitor, mode
         self.async_save = async_save
+        self.overwrite = overwrite
         self._manager = None
         self._open = 0  # nesting depth of with-blocks (fit opens one)
         self._callbacks: tuple[Callback, ...] = ()
-        self._last_saved: int | None = None
+        self._last_done: int | None = None  # the last step saved (or refused)
+        self._due: int | None = None  # the step this host point should save
+        self._eval: tuple[int, dict[str, float]] | None = None  # (step, metrics)
         self._latest_metrics: dict[str, float] = {}
         self._hparams: dict[str, Any] = {}
+        self._saving: int | None = None  # a background save not yet confirmed
+        self._open_point: int | None = None  # a host point whose hooks are running
+        self._stale: list[int] = []  # another run's steps, deleted at the start
+        self._failed: checkpoint.CheckpointError | None = None
 
     # -- the orbax manager
 
@@ -108,6 +121,7 @@ class Checkpoints(Callback):
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=self.async_save,
             preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+            cleanup_tmp_directories=True,  # what killed or failed saves left
             create=True,
         )
         return ocp.CheckpointManager(
@@ -130,24 +144,59 @@ class Checkpoints(Callback):
         """The step of the best checkpoint by ``monitor`` (``None`` if unknown)."""
         return self.manager.best_step() if self.keep_best else None
 
+    # -- saving
+
     def save(self, state: TrainState, step: int, metrics: dict | None = None) -> None:
         """Saves ``state`` as checkpoint ``step``.
 
         In the background inside `fit` or a ``with`` block (if ``async_save``);
-        otherwise it returns once the checkpoint is on disk.
+        otherwise it returns once the checkpoint is on disk. Params that are not
+        finite are not saved (a warning says so).
+
+        Raises:
+          CheckpointError: if checkpoint ``step`` exists (and not
+            ``overwrite``), or this or an earlier save failed.
+          DonatedStateError: if a train step consumed ``state``.
         """
-        if step in self.manager.all_steps():
+        check_alive(state, "Checkpoints.save", "the arrays of this TrainState")
+        self.wait()  # the previous save first: its error names its step
+        self._last_done = step
+        if not all_finite(state.params):
+            warnings.warn(
+                f"Not saving checkpoint {step} in {self.directory}: its params are "
+                "not finite (NaN or inf). The newest checkpoint stays "
+                f"{max(self.steps(), default=None)}.",
+                stacklevel=2,
+            )
             return
+        self._make_room(step)
+        args = checkpoint.save_args(state.params, state, self._metadata(state, metrics))
+        best = {self.monitor: metrics[self.monitor]} if metrics else None
+        try:
+            self.manager.save(step, args=args, metrics=best, force=True)
+        except Exception as e:  # orbax raises many kinds; name the step
+            raise self._save_failed(step, e) from e
+        self._saving = step
+        if not self._open:
+            self.wait()
+
+    def _metadata(self, state: TrainState, metrics: dict | None) -> dict[str, Any]:
         meta = {"callbacks": self._callback_states(), "hparams": self._hparams}
         meta = checkpoint.state_metadata(state, meta)
         if metrics:
             meta["metrics"] = metrics
-        best = {self.monitor: metrics[self.monitor]} if metrics else None
-        args = checkpoint.save_args(state.params, state, meta)
-        self.manager.save(step, args=args, metrics=best)
-        self._last_saved = step
-        if not self._open:
-            self.wait()
+        return meta
+
+    def _make_room(self, step: int) -> None:
+        """Refuses (or, with ``overwrite``, deletes) an existing checkpoint ``step``."""
+        if step not in self.manager.all_steps():
+            return
+        if not self.overwrite:
+            raise checkpoint.CheckpointError(
+                f"Checkpoint {step} already exists in {self.directory}. Save another "
+                "step, or pass Checkpoints(..., overwrite=True) to replace it."
+            )
+        self.manager.delete(step)
 
     def _callback_states(self) -> dict[str, Any]:
         found = {}
@@ -158,17 +207,84 @@ class Checkpoints(Callback):
         return found
 
     def wait(self) -> None:
-        """Blocks until pending saves are on disk."""
-        if self._manager is not None:
+        """Blocks until pending saves are on disk.
+
+        Raises:
+          CheckpointError: if a background save failed (naming its step).
+        """
+        if self._failed is not None:
+            raise self._failed
+        if self._manager is None:
+            return
+        try:
             self._manager.wait_until_finished()
+        except Exception as e:
+            raise self._save_failed(self._saving, e) from e
+        self._saving = None
 
     def close(self) -> None:
         """Finishes pending saves and releases the manager (used again later,
-        it makes a new one)."""
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
+        it makes a new one). The manager is released even if a save failed."""
+        manager = self._manager
+        if manager is None:
+            return
+        try:
+            self.wait()
+        finally:
             self._manager = None
+            with contextlib.suppress(Exception):  # the save's error matters more
+                manager.close()
+
+    def _confirm_saves(self) -> None:
+        """Raises the error of a background save that has finished and failed."""
+        if self._failed is not None:
+            raise self._failed
+        if self._saving is not None and not self.manager.is_saving_in_progress():
+            self.wait()
+
+    def _save_failed(self, step: int | None, error: Exception) -> Exception:
+        """The error of a failed save (kept: later saves raise it too), after
+        removing the temporary files it left."""
+        _ckpt_dir.remove_temporaries(self.directory, step)
+        self._saving = None
+        self._failed = checkpoint.CheckpointError(
+            f"Saving checkpoint {step} in {self.directory} failed: "
+            f"{type(error).__name__}: {str(error)[:300]}. Its temporary files were "
+            "removed; the earlier checkpoints are intact. Free disk space or choose "
+            "another directory, then continue with fit(..., resume=True)."
+        )
+        return self._failed
+
+    # -- the start of a run
+
+    def prepare(
+        self, state: TrainState, callbacks: Sequence[Callback] = (), *, resume: bool
+    ) -> TrainState:
+        """Readies the directory for a run from ``state``; `pztrain.fit` calls it.
+
+        Checks that the directory can be written (before the first step, not one
+        save late). With ``resume``, returns the newest readable checkpoint
+        restored into ``state`` (see `restore_latest`), or ``state`` if there is
+        none. Without, the directory must hold no checkpoint: another run's
+        would be mixed with this one's (``overwrite=True`` deletes them).
+
+        Raises:
+          CheckpointError: if the directory cannot be written, holds checkpoints
+            a fresh run would mix with its own, or holds a checkpoint of
+            another structure (`pztrain.CheckpointMismatchError`).
+        """
+        _ckpt_dir.check_writable(self.directory)
+        if resume:
+            return self.restore_latest(state, callbacks) or state
+        steps = self.steps()
+        if steps and not self.overwrite:
+            raise checkpoint.CheckpointError(
+                f"{self.directory} already holds checkpoints {steps} of another run. "
+                "Pass resume=True to fit to continue it, choose a new directory, "
+                "or pass Checkpoints(..., overwrite=True) to delete them."
+            )
+        self._stale = steps  # deleted when training starts (nothing failed before)
+        return state
 
     # -- resume
 
@@ -177,8 +293,11 @@ class Checkpoints(Callback):
     ) -> TrainState | None:
         """The newest complete, readable checkpoint restored into ``like``.
 
-        Incomplete checkpoints (a save killed midway) and unreadable ones are
-        skipped with a warning that names them.
+        Incomplete checkpoints (a save killed midway) are removed and unreadable
+        ones skipped, each with a warning that names it; the unreadable ones
+        newer than the one restored are renamed ``<step>.unreadable`` (kept for
+        inspection, out of the way of the steps the run saves next). A
+        checkpoint of another structure is an error: nothing is touched.
 
         Args:
           like: A state built in code, with the structure of the saved one.
@@ -186,80 +305,145 @@ class Checkpoints(Callback):
             each gets back its saved ``state_dict`` (``load_state_dict``).
 
         Returns:
-          The restored state, or ``None`` if there is no checkpoint.
+          The restored state, or ``None`` if there is no readable checkpoint.
+
+        Raises:
+          CheckpointMismatchError: if the newest readable checkpoint's names,
+            shapes or dtypes differ from ``like`` 's (another model or
+            optimizer); the message names them.
         """
         if not self.directory.exists():
             return None
-        for tmp in sorted(self.directory.glob("*.orbax-checkpoint-tmp*")):
+        for tmp in _ckpt_dir.temporaries(self.directory):
             warnings.warn(
-                f"Skipping incomplete checkpoint {tmp} (a save that did not finish).",
+                f"Removing incomplete checkpoint {tmp} (a save that did not finish).",
                 stacklevel=2,
             )
+        unreadable = []
         for step in sorted(self.manager.all_steps(), reverse=True):
-            path = self.directory / str(step)
-            try:
-                state = checkpoint.load_state(path, like)
-                meta = checkpoint.read_metadata(path)
-            except checkpoint.CheckpointError as e:
-                warnings.warn(
-                    f"Skipping unreadable checkpoint {path}: {e}", stacklevel=2
-                )
-                continue
-            saved = meta.get("metadata", {}).get("callbacks", {})
-            for i, cb in enumerate(callbacks):
-                key = f"{i}:{type(cb).__name__}"
-                if key in saved:
-                    cb.load_state_dict(saved[key])
-            self._last_saved = step
-            return state
+            found = self._restore(step, like, callbacks)
+            if found is not None:
+                self._set_aside(unreadable)
+                self._last_done = step
+                return found
+            unreadable.append(step)
+        self._set_aside(unreadable)
         return None
+
+    def _restore(self, step: int, like: TrainState, callbacks) -> TrainState | None:
+        """Checkpoint ``step`` restored, or ``None`` (with a warning) if unreadable."""
+        path = self.directory / str(step)
+        try:
+            state = checkpoint.load_state(path, like)
+            meta = checkpoint.read_metadata(path)
+        except checkpoint.CheckpointMismatchError:
+            raise
+        except checkpoint.CheckpointError as e:
+            warnings.warn(f"Skipping unreadable checkpoint {path}: {e}", stacklevel=3)
+            return None
+        saved = meta.get("metadata", {}).get("callbacks", {})
+        for i, cb in enumerate(callbacks):
+            key = f"{i}:{type(cb).__name__}"
+            if key in saved:
+                cb.load_state_dict(saved[key])
+        return state
+
+    def _set_aside(self, steps: list[int]) -> None:
+        if steps:
+            self.close()  # the manager must not keep listing them
+            _ckpt_dir.set_aside(self.directory, steps)
 
     # -- callback hooks
 
     def on_train_start(self, state, info):
+        if self.keep_best and not info.evaluates and self.monitor.startswith("eval/"):
+            raise ValueError(
+                f"Checkpoints(keep_best={self.keep_best}) ranks checkpoints by "
+                f"{self.monitor!r}, but fit runs no evaluation: pass eval_step and "
+                "eval_data to fit, or monitor a train metric."
+            )
         self._hparams = jsonable(dict(info.hparams))
         self._callbacks = tuple(info.callbacks)
-        if self._last_saved is None:
-            self._last_saved = info.start_step
+        if self._last_done is None:
+            self._last_done = info.start_step
+        if self._stale:
+            warnings.warn(
+                f"Deleting checkpoints {self._stale} in {self.directory} "
+                "(overwrite=True).",
+                stacklevel=2,
+            )
+            for step in self._stale:
+                self.manager.delete(step)
+            self._stale = []
 
-    def _maybe_save(self, state, step: int, metrics=None) -> None:
-        if (
+    def on_advance(self, step, t):
+        self._confirm_saves()  # a failed background save stops the run here
+        self._open_point = step
+
+    def _periodic(self, step: int) -> bool:
+        return (
             self.every_steps is not None
-            and self._last_saved is not None
-            and step - self._last_saved >= self.every_steps
-        ):
-            self.save(state, step, metrics)
+            and self._last_done is not None
+            and step - self._last_done >= self.every_steps
+        )
 
     def on_log(self, state, record):
+        self._open_point = record["step"]
         self._latest_metrics.update(record["metrics"])
-        self._maybe_save(state, record["step"])
+        if self._periodic(record["step"]):
+            self._due = record["step"]
 
     def on_eval_end(self, state, record):
         metrics = {f"eval/{k}": v for k, v in record["metrics"].items()}
         metrics.update(self._latest_metrics)
-        if not self.on_eval:
-            self._maybe_save(state, record["step"])
-            return
         if self.keep_best and self.monitor not in metrics:
             raise KeyError(
                 f"Checkpoints monitors {self.monitor!r}, which is not among the "
                 f"metrics {sorted(metrics)}."
             )
-        self.save(state, record["step"], metrics)
+        self._eval = (record["step"], metrics)
+        self._open_point = record["step"]
+        if self.on_eval or self._periodic(record["step"]):
+            self._due = record["step"]
 
     def on_epoch_end(self, state, epoch):
         step = int(state.step)
-        if self.at_epoch_end:
-            self.save(state, step)
-        else:
-            self._maybe_save(state, step)
+        self._open_point = step
+        if self.at_epoch_end or self._periodic(step):
+            self._due = step
+
+    def on_point_end(self, state, step):
+        """Saves if a hook of this point asked: after all of them ran."""
+        due, self._due, self._open_point = self._due, None, None
+        if due == step:
+            self.save(state, step, self._metrics_at(step))
+
+    def _metrics_at(self, step: int) -> dict[str, float] | None:
+        """The metrics of the evaluation at ``step``, if there was one."""
+        return self._eval[1] if self._eval and self._eval[0] == step else None
 
     def on_train_end(self, state, history):
-        """Saves the final state (also after an exception), unless it was consumed."""
+        """Saves the final state (also after an exception), unless it was
+        consumed, a save failed, or the run ended inside the host point of its
+        step (a checkpoint would skip the rest of that point on resume)."""
+        if self._failed is not None:
+            return
         try:
             state.check_not_donated("Checkpoints.on_train_end")
         except DonatedStateError:
             return  # a step failed after taking the state: nothing valid to save
         step = int(state.step)
-        if self._last_saved != step:
-            self.save(state, step)
+        if self._last_done != step and self._open_point != step:
+            self.save(state, step, self._metrics_at(step))
+
+
+def _check_args(mode: str, keep_last: int, keep_best: int, every_steps) -> None:
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max'; got {mode!r}.")
+    for name, value, least in (
+        ("keep_last", keep_last, 1),  # resume needs the newest
+        ("keep_best", keep_best, 0),
+        ("every_steps", 1 if every_steps is None else every_steps, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}; got {value!r}.")

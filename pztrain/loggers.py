@@ -6,6 +6,7 @@ points only, already on the host.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -37,11 +38,17 @@ class JsonlLogger:
     step the run resumes from) are dropped from the file first, so a resumed run
     neither repeats nor skips a step. The file is rewritten atomically (a new
     file, flushed to disk, renamed over the old one): a run killed meanwhile
-    leaves the old records or the new ones, never an empty file.
+    leaves the old records or the new ones, never an empty file. Without
+    ``resume_step``, a file that holds records is refused: another run's log
+    is never mixed with this one's or cut.
 
     Args:
       run_dir: The directory (created if missing).
       resume_step: If given, keep only records with ``step <= resume_step``.
+
+    Raises:
+      ValueError: if ``metrics.jsonl`` holds records and ``resume_step`` is
+        ``None``.
 
     Example:
       >>> import tempfile
@@ -57,8 +64,16 @@ class JsonlLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
-            kept = [r for r in read_jsonl(self.run_dir) if r["step"] <= resume_step]
+        if self.path.exists():
+            records = read_jsonl(self.run_dir)
+            if resume_step is None and records:
+                raise ValueError(
+                    f"{self.path} holds another run's log ({len(records)} records, "
+                    f"up to step {records[-1]['step']}). Continue that run (fit(..., "
+                    "resume=True) with its checkpoints), choose a new run_dir, or "
+                    "move the file away."
+                )
+            kept = [r for r in records if r["step"] <= (resume_step or 0)]
             _replace_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = self.path.open("a")
 
@@ -86,9 +101,19 @@ def _replace_atomically(path: Path, text: str) -> None:
 
 
 def read_jsonl(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Reads the records a `JsonlLogger` wrote."""
+    """Reads the records a `JsonlLogger` wrote.
+
+    A last line cut short (a run killed while writing it) is not a record and
+    is left out; any other line that is not JSON is an error.
+    """
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+    text = path.read_text()
+    lines = text.split("\n")
+    complete, last = lines[:-1], lines[-1]  # ``last`` lacks its newline
+    records = [json.loads(line) for line in complete if line]
+    with contextlib.suppress(ValueError):
+        records += [json.loads(last)] if last else []
+    return records
 
 
 class TensorBoardLogger:

@@ -703,11 +703,14 @@ def test_jsonl_logger_resume_step_drops_records_after_it(tmp_path):
     assert got == [(2, "train"), (4, "train"), (4, "eval"), (6, "train"), (7, "train")]
     JsonlLogger(tmp_path, resume_step=3).close()
     assert [r["step"] for r in read_jsonl(tmp_path)] == [2]
-    # Without resume_step it appends.
-    log = JsonlLogger(tmp_path)
-    log.log_record({"step": 9, "split": "train", "metrics": {}})
-    log.close()
-    assert [r["step"] for r in read_jsonl(tmp_path)] == [2, 9]
+    # Without resume_step, a log that holds records is another run's: refused,
+    # and left as it was.
+    with pytest.raises(
+        ValueError,
+        match=r"metrics.jsonl holds another run.s log \(1 records, up to step 2\)",
+    ):
+        JsonlLogger(tmp_path)
+    assert [r["step"] for r in read_jsonl(tmp_path)] == [2]
 
 
 def test_resumed_run_dir_equals_an_uninterrupted_one(tmp_path):

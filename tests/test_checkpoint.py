@@ -407,7 +407,8 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, mode):
     resumed = _worker(tmp_path / "run", "full")
     assert resumed.returncode == 0, resumed.stderr
     if mode == "kill_saving":
-        assert "Skipping incomplete checkpoint" in resumed.stderr
+        assert "Removing incomplete checkpoint" in resumed.stderr
+        assert not list((tmp_path / "run" / "ckpt").glob("*.orbax-checkpoint-tmp*"))
     a = np.load(tmp_path / "full" / "final.npz")
     b = np.load(tmp_path / "run" / "final.npz")
     assert sorted(a.files) == sorted(b.files)

@@ -71,7 +71,8 @@ def fit(
       log_every: Steps between log points (a multiple of ``steps_per_call``).
       callbacks: `pztrain.Callback` s, run in this order at each point.
       loggers: Default: a `pztrain.JsonlLogger` in ``run_dir``, if given.
-      run_dir: The run directory for the default logger.
+      run_dir: The run directory for the default logger: its log is continued
+        from the start step; a fresh run from step 0 refuses another run's.
       hparams: Hyperparameters to log once, at the start.
       progress: Show a `pztrain.ProgressBar` (needs tqdm; none is added if
         ``callbacks`` holds one), or this one.
@@ -93,8 +94,8 @@ def fit(
     _check_length(num_steps, num_epochs, checkpoints, resume)
     callbacks, loggers = _checked_callbacks(callbacks), _checked_loggers(loggers)
     with checkpoints if checkpoints is not None else contextlib.nullcontext():
-        if resume:
-            state = checkpoints.restore_latest(state, callbacks) or state
+        if checkpoints is not None:
+            state = checkpoints.prepare(state, callbacks, resume=resume)
         with host_reads():
             start = int(state.step)
         k, per_epoch = train_step.steps_per_call, _epoch_length(train_data)
@@ -104,7 +105,7 @@ def fit(
             start, end, k, log_every, eval_every, per_epoch, num_epochs, evaluates
         )
         if loggers is None:
-            loggers = [JsonlLogger(run_dir, resume_step=start)] if run_dir else []
+            loggers = _default_loggers(run_dir, start, resume)
         history, clock = History(), time.perf_counter
         bar = _progress_bar(progress, callbacks)
         ckpts = [] if checkpoints is None else [checkpoints]
@@ -170,11 +171,13 @@ def _train(state: TrainState, run: _Run) -> TrainState:
                 state, stop = _first(stop, *run.evaluation(state, step, epoch))
                 last_eval = step
             epoch = s.next_epoch(step, epoch) if ended else epoch
+            state, stop = _first(stop, *hooks.run("on_point_end", state, step))
         if last_log != step:
             state, stop = _first(stop, *reporter.log(state, sums, step, epoch))
         state, stop = _first(stop, *reporter.flush(state))
         if stop is None and s.evaluates and last_eval != step:
             state, stop = _first(stop, *run.evaluation(state, step, epoch))
+        state, stop = _first(stop, *hooks.run("on_point_end", state, step))
         run.history.stop_reason = _stop_reason(stop, run.source)
     finally:
         _end(state, run)
@@ -291,6 +294,15 @@ def _check_parts(state, train_step, train_data, eval_step, eval_data, hparams) -
 def _is_count(value: Any) -> bool:
     """An integer (Python or NumPy), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _default_loggers(run_dir, start: int, resume: bool) -> list[Logger]:
+    """A `JsonlLogger` in ``run_dir`` (if given) that continues its log from
+    ``start``; a fresh run from step 0 keeps no record (and refuses a log that
+    holds some: another run's)."""
+    if run_dir is None:
+        return []
+    return [JsonlLogger(run_dir, resume_step=start if resume or start else None)]
 
 
 def _epoch_length(train_data: Any) -> int | None:

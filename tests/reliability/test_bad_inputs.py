@@ -769,14 +769,34 @@ CASES = [
     P(
         lambda p: Checkpoints(p.tmp, keep_last=0),
         ValueError,
-        E("keep_last must be >= 1 (resume needs the newest); got 0."),
+        E("keep_last must be an int >= 1; got 0."),
         id="checkpoints-keep_last-zero",
+    ),
+    P(
+        lambda p: Checkpoints(p.tmp, keep_last="2"),
+        ValueError,
+        E("keep_last must be an int >= 1; got '2'."),
+        id="checkpoints-keep_last-str",
+    ),
+    P(
+        lambda p: Checkpoints(p.tmp, keep_best=-1),
+        ValueError,
+        E("keep_best must be an int >= 0; got -1."),
+        id="checkpoints-keep_best-negative",
     ),
     P(
         lambda p: Checkpoints(p.tmp, every_steps=0),
         ValueError,
-        E("every_steps must be >= 1; got 0."),
+        E("every_steps must be an int >= 1; got 0."),
         id="checkpoints-every_steps-zero",
+    ),
+    P(
+        lambda p: Checkpoints(p.params / "meta" / "metadata").prepare(
+            STATE, resume=False
+        ),
+        CheckpointError,
+        E("Cannot write checkpoints to ") + ".*metadata" + E(": it is a file."),
+        id="checkpoints-directory-is-a-file",
     ),
     P(
         lambda p: pztrain.load_params(p.tmp / "nope", STATE),

@@ -1,0 +1,60 @@
+"""The directory of `pztrain.Checkpoints` on disk: writable, and kept tidy.
+
+Orbax writes each checkpoint to ``<step>.orbax-checkpoint-tmp*`` and renames it
+to ``<step>`` once complete; what a killed or failed save leaves is such a
+temporary. Checkpoints that cannot be read are renamed ``<step>.unreadable``,
+out of the way of the steps a resumed run saves again.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from pztrain._meta import CheckpointError
+
+__all__ = ["check_writable", "remove_temporaries", "set_aside", "temporaries"]
+
+
+def check_writable(directory: Path) -> None:
+    """Creates ``directory`` if needed and checks that a file can be written in it.
+
+    Raises:
+      CheckpointError: naming the directory and the reason.
+    """
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(
+            f"Cannot write checkpoints to {directory}: it is a file. Choose a "
+            "directory."
+        )
+    probe = directory / f".pztrain-write-check-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(
+            f"Cannot write checkpoints to {directory}: {e.strerror or e}. Choose a "
+            "directory you can write to."
+        ) from None
+
+
+def temporaries(directory: Path, step: int | None = None) -> list[Path]:
+    """The temporaries of unfinished saves (of ``step``, or of any step)."""
+    prefix = "*" if step is None else str(step)
+    return sorted(directory.glob(f"{prefix}.orbax-checkpoint-tmp*"))
+
+
+def remove_temporaries(directory: Path, step: int | None) -> None:
+    """Removes what an unfinished save of ``step`` left."""
+    if step is not None:
+        for tmp in temporaries(directory, step):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def set_aside(directory: Path, steps: list[int]) -> None:
+    """Renames checkpoints ``<step>`` to ``<step>.unreadable`` (kept to inspect)."""
+    for step in steps:
+        path = directory / str(step)
+        path.rename(path.with_name(f"{step}.unreadable"))
