@@ -2,13 +2,14 @@
 
 Run: ``python examples/digits.py`` (after ``pip install -e ".[examples]"``). Nothing
 is downloaded. It trains with `pztrain.fit`: evaluation every epoch, a progress
-bar, early stopping on the validation loss, and a JSON-lines log in ``runs/digits``;
-then it prints the test accuracy.
+bar, early stopping on the validation loss, and a JSON-lines log in
+``runs/digits/<date-time>``; then it prints the test accuracy.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import jax
 import jax.numpy as jnp
@@ -54,11 +55,13 @@ def load(seed: int = 0):
 def main(
     epochs: int = 30,
     batch_size: int = 32,
-    run_dir: str | None = "runs/digits",
+    run_dir: str | None = None,
     progress: bool = True,
     seed: int = 0,
 ) -> float:
     train, valid, test = load(seed)
+    if run_dir is None:  # a new directory per run: fit never mixes two runs' logs
+        run_dir = time.strftime("runs/digits/%Y%m%d-%H%M%S")
     model = simple_mlp.MLP.from_config(
         name="mlp", init_base_rng=jax.random.key(seed), feature_sizes=[64, 128, 10]
     )
@@ -95,7 +98,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--run-dir", default="runs/digits")
+    parser.add_argument("--run-dir", help="default: runs/digits/<date-time>")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     main(args.epochs, args.batch_size, args.run_dir, not args.no_progress)
