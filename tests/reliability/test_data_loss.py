@@ -128,6 +128,21 @@ def test_a_resumed_log_is_rewritten_atomically(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_a_log_line_cut_short_by_a_kill_is_not_a_record(tmp_path):
+    log = JsonlLogger(tmp_path)
+    for step in (2, 4):
+        log.log_record({"step": step, "split": "train", "metrics": {"loss": 1.0}})
+    log.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 6, "split": "tr')  # the kill came mid-write
+    assert [r["step"] for r in read_jsonl(tmp_path)] == [2, 4]
+    JsonlLogger(tmp_path, resume_step=4).close()  # a resume rewrites it whole
+    assert (tmp_path / "metrics.jsonl").read_text().endswith("}\n")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2}\nnot json\n{"step": 4}\n')
+    with pytest.raises(ValueError):  # a bad line inside the file is an error
+        read_jsonl(tmp_path)
+
+
 # ------------------------------------------------------- overwrite=True
 
 
