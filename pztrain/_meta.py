@@ -1,4 +1,12 @@
-"""A checkpoint's JSON: where it is, and checking it before anything relies on it."""
+"""A checkpoint's JSON: writing it, finding it, and checking it before anything
+relies on it, then against the target.
+
+Two kinds of failure, two errors. `CheckpointError`: the checkpoint cannot be
+trusted (missing, incomplete, its JSON or files damaged or changed). Its
+subclass `CheckpointMismatchError`: the checkpoint is readable but was saved from
+another structure than the target (another model, optimizer or state class).
+Resuming skips the first kind and refuses the second.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +15,23 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from pztrain._tree import describe, describe_shape, is_array
+
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "CheckpointError",
     "CheckpointMismatchError",
+    "check_json",
+    "check_params",
+    "check_state",
     "checkpoint_dir",
+    "describe_params",
+    "describe_state",
     "read_metadata",
+    "restored_scalars",
     "stored_params",
 ]
 
@@ -72,25 +90,56 @@ def _check_meta(path: Path, meta: dict[str, Any]) -> None:
             "upgrade pztrain to read it."
         )
     bad = [] if isinstance(version, int) else ["format_version"]
-    for item, keys in _META_LISTS.items():
-        if item == "state" and item not in meta:
-            continue  # a params-only checkpoint
-        part = meta.get(item)
-        lists = [part.get(k) for k in keys] if isinstance(part, dict) else [None]
-        if not all(isinstance(x, list) for x in lists) or len(set(map(len, lists))) > 1:
-            bad.append(item)
+    for item in _META_LISTS:
+        if item != "state" or item in meta:  # no state: a params-only checkpoint
+            bad += _bad_item(item, meta.get(item))
     extra = meta.get("metadata", {})
     if not isinstance(extra, dict) or not isinstance(extra.get("callbacks", {}), dict):
         bad.append("metadata")
-    state = meta.get("state", {})
-    if not isinstance(state, dict) or not isinstance(state.get("scalars", {}), dict):
-        bad.append("state")
     if bad:
         raise CheckpointError(
             f"Checkpoint {path} is corrupt: its metadata's {sorted(set(bad))} "
             "entries are not what pztrain writes (lists of one length per item, "
-            "dicts of metadata)."
+            "dicts of metadata, numbers as scalars)."
         )
+
+
+def _bad_item(item: str, part: Any) -> list[str]:
+    """What is wrong with the JSON of an item (``params`` or ``state``)."""
+    keys = _META_LISTS[item]
+    lists = [part.get(k) for k in keys] if isinstance(part, dict) else [None]
+    if not all(isinstance(x, list) for x in lists) or len(set(map(len, lists))) > 1:
+        return [item]
+    names, shapes, dtypes = lists
+    bad = []
+    if not all(isinstance(n, str) for n in names + dtypes) or not all(
+        isinstance(s, list) and all(_is_size(n) for n in s) for s in shapes
+    ):
+        bad.append(f"{item} entries")
+    elif item == "params" and not all(map(_is_numpy_dtype, dtypes)):
+        bad.append("params dtypes")
+    scalars = part.get("scalars", {})
+    if not isinstance(scalars, dict):
+        bad.append(f"{item}.scalars")
+    else:
+        bad += [
+            f"{item}.scalars[{p!r}]"
+            for p, v in scalars.items()
+            if not isinstance(v, bool | int | float)
+        ]
+    return bad
+
+
+def _is_size(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
+def _is_numpy_dtype(name: str) -> bool:
+    try:
+        np.dtype(name)
+    except TypeError:
+        return False
+    return True
 
 
 def checkpoint_dir(directory: str | os.PathLike) -> Path:
@@ -120,3 +169,202 @@ def stored_params(meta: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]
         n: (tuple(s), d)
         for n, s, d in zip(p["names"], p["shapes"], p["dtypes"], strict=True)
     }
+
+
+# ----------------------------------------------------------------------------
+# writing the JSON
+
+
+def check_json(value: Any, where: str) -> None:
+    """Raises `CheckpointError` naming the first entry JSON cannot hold."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise CheckpointError(f"{where} has a non-string key {k!r}.")
+            check_json(v, f"{where}[{k!r}]")
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            check_json(v, f"{where}[{i}]")
+    elif not isinstance(value, str | int | float | bool) and value is not None:
+        raise CheckpointError(
+            f"{where} is a {type(value).__name__}, which JSON cannot hold; store "
+            "numbers, strings, lists and dicts (e.g. float(x), str(x))."
+        )
+
+
+def describe_params(named: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The JSON of the params: names, shapes and dtypes, in order.
+
+    Raises:
+      CheckpointError: naming a leaf that is not an array (a Python number) or
+        is empty, or if names repeat.
+    """
+    names = [n for n, _ in named]
+    if len(set(names)) != len(names):
+        raise CheckpointError("Parameter names must be unique to be saved.")
+    for name, x in named:
+        if not is_array(x):
+            raise CheckpointError(
+                f"Parameter {name!r} is a Python {type(x).__name__} ({x!r:.40}), not "
+                "an array: a checkpoint stores params as arrays. Make it one "
+                "(jnp.asarray(...)) or keep it out of the params."
+            )
+        if not _is_numpy_dtype(str(x.dtype)):
+            raise CheckpointError(
+                f"Parameter {name!r} is {describe(x)}, which a checkpoint stores "
+                "only in the state: keep PRNG keys out of the params."
+            )
+        _check_not_empty(f"Parameter {name!r}", x)
+    return {
+        "names": names,
+        "shapes": [list(np.shape(x)) for _, x in named],
+        "dtypes": [str(x.dtype) for _, x in named],
+    }
+
+
+def describe_state(leaves: list[tuple[str, Any]]) -> tuple[dict, dict[str, Any]]:
+    """The state's arrays (keyed ``"0"``, ``"1"``, …) and their JSON.
+
+    Arrays are stored as arrays, Python and NumPy numbers (bool, int, float) in
+    the JSON's ``scalars``; other leaves (functions, strings) are structure that
+    a load takes from its target.
+
+    Raises:
+      CheckpointError: naming a complex number (which neither can hold exactly)
+        or an empty array.
+    """
+    arrays, scalars, paths = {}, {}, []
+    for path, leaf in leaves:
+        kind = _scalar_kind(leaf)
+        if is_array(leaf):
+            _check_not_empty(f"State array {path}", leaf)
+            arrays[str(len(paths))] = leaf
+            paths.append((path, list(np.shape(leaf)), str(leaf.dtype)))
+        elif kind is not None:
+            scalars[path] = _SCALAR_TYPES[kind](leaf)
+        elif isinstance(leaf, complex | np.complexfloating):
+            raise CheckpointError(
+                f"State leaf {path} is a {type(leaf).__name__} ({leaf!r}), which a "
+                "checkpoint cannot store: make it an array (jnp.asarray(...)) or a "
+                "static field."
+            )
+    meta = {
+        "paths": [p for p, _, _ in paths],
+        "shapes": [s for _, s, _ in paths],
+        "dtypes": [d for _, _, d in paths],
+        "scalars": scalars,
+    }
+    return arrays, meta
+
+
+_SCALAR_TYPES = {"bool": bool, "int": int, "float": float}
+
+
+def _scalar_kind(x: Any) -> str | None:
+    """``"bool"``, ``"int"`` or ``"float"`` for a number the JSON stores."""
+    if isinstance(x, bool | np.bool_):
+        return "bool"
+    if isinstance(x, int | np.integer):
+        return "int"
+    if isinstance(x, float | np.floating):
+        return "float"
+    return None
+
+
+def _check_not_empty(label: str, x: Any) -> None:
+    if np.size(x) == 0:
+        raise CheckpointError(
+            f"{label} is {describe(x)}, an empty array, which orbax cannot save. "
+            "Leave it out of what you save, or give it at least one element."
+        )
+
+
+# ----------------------------------------------------------------------------
+# the JSON against the target (a mismatch, not corruption)
+
+
+def check_params(
+    path: Path, stored: dict[str, Any], like_named: dict[str, Any], partial: bool
+) -> set[str]:
+    """Checks names, shapes and dtypes; returns the names to load.
+
+    Raises:
+      CheckpointMismatchError: naming the names, shapes or dtypes that differ.
+    """
+    missing = sorted(set(like_named) - set(stored))
+    unexpected = sorted(set(stored) - set(like_named))
+    if (missing or unexpected) and not partial:
+        raise CheckpointMismatchError(
+            f"Checkpoint {path} does not match the target: missing names {missing}, "
+            f"unexpected names {unexpected}. Pass partial=True to load only the "
+            "names both have (e.g. for fine-tuning)."
+        )
+    for name in sorted(set(like_named) & set(stored)):
+        leaf = like_named[name]
+        want = (tuple(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf).__name__)))
+        if stored[name] != want:
+            raise CheckpointMismatchError(
+                f"Parameter {name!r} in {path} is {describe_shape(*stored[name])}, "
+                f"but the target expects {describe_shape(*want)}. Build the model "
+                "with the configuration it was trained with."
+            )
+    return set(like_named) & set(stored)
+
+
+def check_state(
+    path: Path, stored: dict[str, Any], like_arrays: list[tuple[str, Any]]
+) -> None:
+    """Checks the state arrays' paths, shapes and dtypes against the target's.
+
+    Raises:
+      CheckpointMismatchError: naming the paths, shapes or dtypes that differ.
+    """
+    have = [p for p, _ in like_arrays]
+    if have != stored["paths"]:
+        missing = sorted(set(have) - set(stored["paths"]))
+        unexpected = sorted(set(stored["paths"]) - set(have))
+        raise CheckpointMismatchError(
+            f"The state in {path} does not match the target state: missing "
+            f"{missing}, unexpected {unexpected}. Build the state with the same "
+            "model, optimizer and loss_fn_state as the run that saved it."
+        )
+    for (p, x), shape, dtype in zip(
+        like_arrays, stored["shapes"], stored["dtypes"], strict=True
+    ):
+        if (list(np.shape(x)), str(x.dtype)) != (shape, dtype):
+            raise CheckpointMismatchError(
+                f"State array {p} in {path} is {describe_shape(shape, dtype)}, but "
+                f"the target expects {describe(x)}."
+            )
+
+
+def restored_scalars(
+    path: Path, stored: dict[str, Any], like_leaves: list[tuple[str, Any]]
+) -> dict[str, Any]:
+    """The stored numbers of the state, each as the type the target has there.
+
+    A float stays a float, a bool a bool: a stored number of another kind than
+    the target's, or a path only one side has, is a mismatch.
+
+    Raises:
+      CheckpointMismatchError: naming the paths that differ.
+    """
+    want = {p: x for p, x in like_leaves if _scalar_kind(x) is not None}
+    if set(want) != set(stored):
+        raise CheckpointMismatchError(
+            f"The state in {path} does not match the target state: its numbers "
+            f"differ (missing {sorted(set(want) - set(stored))}, unexpected "
+            f"{sorted(set(stored) - set(want))}). Build the state with the same "
+            "fields as the run that saved it."
+        )
+    out = {}
+    for p, x in want.items():
+        value, kind = stored[p], _scalar_kind(x)
+        if _scalar_kind(value) != kind:
+            raise CheckpointMismatchError(
+                f"State leaf {p} in {path} is stored as a {type(value).__name__} "
+                f"({value!r}), but the target has a {kind} there "
+                f"({type(x).__name__}). Build the state as the run that saved it."
+            )
+        out[p] = type(x)(value)
+    return out

@@ -13,8 +13,9 @@ directory renamed on success):
 
 Nothing is pickled, and loading runs no code: the structure always comes from the
 ``like`` argument built in code, and names, shapes and dtypes are checked against
-the JSON before any array is read. Periodic checkpoints during `pztrain.fit` (and
-resuming from them) are `pztrain.Checkpoints`.
+the JSON before any array is read (a difference is a `CheckpointMismatchError`).
+Periodic checkpoints during `pztrain.fit` (and resuming from them) are
+`pztrain.Checkpoints`.
 """
 
 from __future__ import annotations
@@ -35,12 +36,18 @@ from pztrain._meta import (
     FORMAT_VERSION,
     CheckpointError,
     CheckpointMismatchError,
+    check_json,
+    check_params,
+    check_state,
     checkpoint_dir,
+    describe_params,
+    describe_state,
     read_metadata,
+    restored_scalars,
     stored_params,
 )
 from pztrain._targets import filled, params_of, params_target
-from pztrain._tree import describe, describe_shape, is_array, named_leaves, path_repr
+from pztrain._tree import is_array, named_leaves, path_repr
 from pztrain._version import __version__
 from pztrain.state import TrainState
 
@@ -135,23 +142,6 @@ def _save(path: Path, args: Any, overwrite: bool) -> Path:
     return path
 
 
-def _check_json(value: Any, where: str) -> None:
-    """Raises `CheckpointError` naming the first entry JSON cannot hold."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise CheckpointError(f"{where} has a non-string key {k!r}.")
-            _check_json(v, f"{where}[{k!r}]")
-    elif isinstance(value, list | tuple):
-        for i, v in enumerate(value):
-            _check_json(v, f"{where}[{i}]")
-    elif not isinstance(value, str | int | float | bool) and value is not None:
-        raise CheckpointError(
-            f"{where} is a {type(value).__name__}, which JSON cannot hold; store "
-            "numbers, strings, lists and dicts (e.g. float(x), str(x))."
-        )
-
-
 def _remove_partial(new: Path) -> None:
     """Removes a save's directory and orbax's temporaries for it."""
     for leftover in [new, *new.parent.glob(f"{new.name}.orbax-checkpoint-tmp*")]:
@@ -171,21 +161,26 @@ def save_args(
     Returns:
       ``orbax.checkpoint.args.Composite`` for a checkpointer or manager whose
       item handlers are pztrain's.
+
+    Raises:
+      CheckpointError: naming a leaf a checkpoint cannot hold (a Python number
+        among the params, a complex number in the state, an empty array) or
+        metadata JSON cannot hold. Nothing has been written then.
     """
     ocp = _orbax.ocp()
-    _check_json(metadata or {}, "metadata")
+    check_json(metadata or {}, "metadata")
     named = named_leaves(params)
     meta: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "pztrain_version": __version__,
-        "params": _param_meta(named),
+        "params": describe_params(named),
         "metadata": metadata or {},
     }
     arrays = {str(i): x for i, (_, x) in enumerate(named)}
     items = {"params": ocp.args.PyTreeSave(arrays)}
     if state is not None:
-        state_arrays, meta["state"] = _state_parts(state)
+        state_arrays, meta["state"] = describe_state(_state_leaves(state))
         items["state"] = ocp.args.PyTreeSave(state_arrays)
     items["meta"] = ocp.args.JsonSave(meta)
     return ocp.args.Composite(**items)
@@ -202,39 +197,10 @@ def state_metadata(state: TrainState, metadata: dict[str, Any] | None) -> dict:
     return out
 
 
-def _param_meta(named: list[tuple[str, Any]]) -> dict[str, Any]:
-    names = [n for n, _ in named]
-    if len(set(names)) != len(names):
-        raise CheckpointError("Parameter names must be unique to be saved.")
-    return {
-        "names": names,
-        "shapes": [list(np.shape(x)) for _, x in named],
-        "dtypes": [str(x.dtype) for _, x in named],
-    }
-
-
 def _state_leaves(state: TrainState) -> list[tuple[str, Any]]:
     """Every leaf of the state but the params, named by key path."""
     flat = jax.tree_util.tree_flatten_with_path(state.replace(params=None))[0]
     return [(path_repr(path), leaf) for path, leaf in flat]
-
-
-def _state_parts(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The state's arrays (keyed by position) and their JSON description."""
-    arrays, scalars, paths = {}, {}, []
-    for path, leaf in _state_leaves(state):
-        if is_array(leaf):
-            arrays[str(len(paths))] = leaf
-            paths.append((path, list(np.shape(leaf)), str(leaf.dtype)))
-        elif isinstance(leaf, bool | int | float) or leaf is None:
-            scalars[path] = leaf
-    meta = {
-        "paths": [p for p, _, _ in paths],
-        "shapes": [s for _, s, _ in paths],
-        "dtypes": [d for _, _, d in paths],
-        "scalars": scalars,
-    }
-    return arrays, meta
 
 
 # ----------------------------------------------------------------------------
@@ -263,15 +229,17 @@ def load_params(
       ``like`` with the stored params.
 
     Raises:
-      CheckpointError: naming missing or unexpected names, a shape or dtype that
-        differs (stored vs expected), or a directory that is not a complete
-        checkpoint.
+      CheckpointMismatchError: the checkpoint is readable but holds other
+        params: missing or unexpected names, a shape or dtype that differs
+        (stored vs expected), each named.
+      CheckpointError: the checkpoint cannot be trusted (not a complete
+        checkpoint, or unreadable).
     """
     path = checkpoint_dir(directory)
     meta = read_metadata(path)
     params, rebuild = params_target(like)
     stored = stored_params(meta)
-    wanted = _check_params(path, stored, dict(named_leaves(params)), partial)
+    wanted = check_params(path, stored, dict(named_leaves(params)), partial)
     target = {
         str(i): _abstract(*stored[n]) for i, n in enumerate(stored) if n in wanted
     }
@@ -284,23 +252,30 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """Restores a full-state checkpoint into ``like`` (a state built from code).
 
     Every array comes back with ``like`` 's exact types (optax state classes,
-    penzai structures, PRNG keys), so the run continues bit for bit.
+    penzai structures, PRNG keys), and every stored number as the type ``like``
+    has there, so the run continues bit for bit.
 
     Raises:
-      CheckpointError: if the checkpoint holds params only, or its names,
-        paths, shapes or dtypes differ from ``like`` (each named).
+      CheckpointMismatchError: the checkpoint is readable but was saved from
+        another structure: it holds params only, or its names, paths, shapes,
+        dtypes or stored numbers differ from ``like`` (each named). Resuming
+        refuses it.
+      CheckpointError: the checkpoint cannot be trusted (see `load_params`).
+        Resuming skips it.
     """
     path = checkpoint_dir(directory)
     meta = read_metadata(path)
     if "state" not in meta:
-        raise CheckpointError(
+        raise CheckpointMismatchError(
             f"{path} holds params only (save_params); use load_params, or save with "
             "save_state / Checkpoints to resume training."
         )
     stored = stored_params(meta)
-    _check_params(path, stored, dict(named_leaves(like.params)), partial=False)
-    like_arrays = [x for _, x in _state_leaves(like) if is_array(x)]
-    _check_state(path, meta["state"], like)
+    check_params(path, stored, dict(named_leaves(like.params)), partial=False)
+    leaves = _state_leaves(like)
+    like_arrays = [x for p, x in leaves if is_array(x)]
+    check_state(path, meta["state"], [(p, x) for p, x in leaves if is_array(x)])
+    scalars = restored_scalars(path, meta["state"]["scalars"], leaves)
     ocp = _orbax.ocp()
     p_target = {str(i): _abstract(*stored[n]) for i, n in enumerate(stored)}
     s_target = {
@@ -310,12 +285,12 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
     names = list(stored)
     by_name = {names[int(i)]: v for i, v in restored["params"].items()}
     arrays = [restored["state"][str(i)] for i in range(len(like_arrays))]
-    rest = _filled_state(like, arrays, meta["state"]["scalars"])
+    rest = _filled_state(like, arrays, scalars)
     return rest.replace(params=filled(like.params, by_name))
 
 
 def _filled_state(like: TrainState, arrays: list[Any], scalars: dict) -> TrainState:
-    """``like`` (params aside) with its arrays and Python scalars replaced."""
+    """``like`` (params aside) with its arrays and stored numbers replaced."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(like.replace(params=None))
     new_arrays = iter(arrays)
     leaves = [
@@ -323,51 +298,6 @@ def _filled_state(like: TrainState, arrays: list[Any], scalars: dict) -> TrainSt
         for p, x in flat
     ]
     return treedef.unflatten(leaves)
-
-
-def _check_params(
-    path: Path, stored: dict[str, Any], like_named: dict[str, Any], partial: bool
-) -> set[str]:
-    """Checks names, shapes and dtypes; returns the names to load."""
-    missing = sorted(set(like_named) - set(stored))
-    unexpected = sorted(set(stored) - set(like_named))
-    if (missing or unexpected) and not partial:
-        raise CheckpointError(
-            f"Checkpoint {path} does not match the target: missing names {missing}, "
-            f"unexpected names {unexpected}. Pass partial=True to load only the "
-            "names both have (e.g. for fine-tuning)."
-        )
-    for name in sorted(set(like_named) & set(stored)):
-        leaf = like_named[name]
-        want = (tuple(np.shape(leaf)), str(leaf.dtype))
-        if stored[name] != want:
-            raise CheckpointError(
-                f"Parameter {name!r} in {path} is {describe_shape(*stored[name])}, "
-                f"but the target expects {describe_shape(*want)}. Build the model "
-                "with the configuration it was trained with."
-            )
-    return set(like_named) & set(stored)
-
-
-def _check_state(path: Path, stored: dict[str, Any], like: TrainState) -> None:
-    like_arrays = [(p, x) for p, x in _state_leaves(like) if is_array(x)]
-    have = [p for p, _ in like_arrays]
-    if have != stored["paths"]:
-        missing = sorted(set(have) - set(stored["paths"]))
-        unexpected = sorted(set(stored["paths"]) - set(have))
-        raise CheckpointError(
-            f"The state in {path} does not match the target state: missing "
-            f"{missing}, unexpected {unexpected}. Build the state with the same "
-            "model, optimizer and loss_fn_state as the run that saved it."
-        )
-    for (p, x), shape, dtype in zip(
-        like_arrays, stored["shapes"], stored["dtypes"], strict=True
-    ):
-        if (list(np.shape(x)), str(x.dtype)) != (shape, dtype):
-            raise CheckpointError(
-                f"State array {p} in {path} is {describe_shape(shape, dtype)}, but "
-                f"the target expects {describe(x)}."
-            )
 
 
 def _abstract(shape: tuple[int, ...], dtype: str) -> jax.ShapeDtypeStruct:
@@ -420,7 +350,7 @@ def import_safetensors(
     tensors = _safetensors().load_file(str(path))
     params, rebuild = params_target(like)
     stored = {n: (tuple(t.shape), str(t.dtype)) for n, t in tensors.items()}
-    wanted = _check_params(Path(path), stored, dict(named_leaves(params)), partial)
+    wanted = check_params(Path(path), stored, dict(named_leaves(params)), partial)
     loaded = {n: jax.numpy.asarray(tensors[n]) for n in wanted}
     return rebuild(filled(params, loaded))
 
