@@ -6,12 +6,18 @@ trusted (missing, incomplete, its JSON or files damaged or changed). Its
 subclass `CheckpointMismatchError`: the checkpoint is readable but was saved from
 another structure than the target (another model, optimizer or state class).
 Resuming skips the first kind and refuses the second.
+
+Format version 1 throughout: the per-array checksums (``"xxh3_64"`` lists) were
+added to it without a new version, because they are optional. A checkpoint
+without them (saved before they existed) loads unverified; one with them loads
+in an older pztrain, which ignores them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +26,7 @@ import numpy as np
 from pztrain._tree import describe, describe_shape, is_array
 
 __all__ = [
+    "CHECKSUM",
     "FORMAT",
     "FORMAT_VERSION",
     "CheckpointError",
@@ -37,6 +44,7 @@ __all__ = [
 
 FORMAT = "pztrain.checkpoint"
 FORMAT_VERSION = 1
+CHECKSUM = "xxh3_64"  # the JSON key of an item's checksums (see _integrity)
 
 
 class CheckpointError(ValueError):
@@ -118,6 +126,8 @@ def _bad_item(item: str, part: Any) -> list[str]:
         bad.append(f"{item} entries")
     elif item == "params" and not all(map(_is_numpy_dtype, dtypes)):
         bad.append("params dtypes")
+    if not _is_checksums(part.get(CHECKSUM, [None] * len(names)), len(names)):
+        bad.append(f"{item}.{CHECKSUM}")
     scalars = part.get("scalars", {})
     if not isinstance(scalars, dict):
         bad.append(f"{item}.scalars")
@@ -132,6 +142,15 @@ def _bad_item(item: str, part: Any) -> list[str]:
 
 def _is_size(n: Any) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
+def _is_checksums(sums: Any, n: int) -> bool:
+    """A list of ``n`` checksums (16 hex digits) or ``None`` (not verified)."""
+    return (
+        isinstance(sums, list)
+        and len(sums) == n
+        and all(s is None or re.fullmatch("[0-9a-f]{16}", str(s)) for s in sums)
+    )
 
 
 def _is_numpy_dtype(name: str) -> bool:

@@ -3,7 +3,8 @@
 A checkpoint directory holds three orbax items: ``params`` and ``state`` (arrays,
 uncompressed, one file per array: save + load then run at about the speed of
 ``np.save`` / ``np.load``, see ``benchmarks/checkpoint_bench.py``) and ``meta``
-(JSON).
+(JSON). The arrays are zarr version 2 whatever orbax's default, because a load
+checks their files (`pztrain._integrity`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def handlers() -> dict[str, Any]:
     orbax = ocp()
 
     def arrays():
-        return orbax.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=False)
+        return orbax.PyTreeCheckpointHandler(
+            use_compression=False, use_ocdbt=False, use_zarr3=False
+        )
 
     return {
         "params": arrays(),

@@ -7,13 +7,16 @@ directory renamed on success):
 * ``state`` (full-state checkpoints only): every other array of the
   `TrainState` (optimizer and loss-function state, step, key, arrays left in
   ``model_without_params``, extra subclass fields);
-* ``meta``: JSON: format version, pztrain version, parameter names, shapes and
-  dtypes, the key paths of the state arrays, Python scalars, and free-form
-  metadata (hyperparameters, metrics, callback counters).
+* ``meta``: JSON: format version, pztrain version, parameter names, shapes,
+  dtypes and checksums, the key paths, shapes, dtypes and checksums of the state
+  arrays, the state's numbers, and free-form metadata (hyperparameters,
+  metrics, callback counters).
 
 Nothing is pickled, and loading runs no code: the structure always comes from the
-``like`` argument built in code, and names, shapes and dtypes are checked against
-the JSON before any array is read (a difference is a `CheckpointMismatchError`).
+``like`` argument built in code. Names, shapes and dtypes are checked against the
+JSON (a difference is a `CheckpointMismatchError`), and the JSON against the array
+files, before any array is read; what was read is checked against its checksum
+(any failure there is a `CheckpointError`: the checkpoint cannot be trusted).
 Periodic checkpoints during `pztrain.fit` (and resuming from them) are
 `pztrain.Checkpoints`.
 """
@@ -29,9 +32,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from pztrain import _orbax
+from pztrain import _integrity, _orbax
 from pztrain._donation import check_alive
+from pztrain._integrity import StoredArray
 from pztrain._meta import (
+    CHECKSUM,
     FORMAT,
     FORMAT_VERSION,
     CheckpointError,
@@ -178,9 +183,11 @@ def save_args(
         "metadata": metadata or {},
     }
     arrays = {str(i): x for i, (_, x) in enumerate(named)}
+    meta["params"][CHECKSUM] = _integrity.checksums(list(arrays.values()))
     items = {"params": ocp.args.PyTreeSave(arrays)}
     if state is not None:
         state_arrays, meta["state"] = describe_state(_state_leaves(state))
+        meta["state"][CHECKSUM] = _integrity.checksums(list(state_arrays.values()))
         items["state"] = ocp.args.PyTreeSave(state_arrays)
     items["meta"] = ocp.args.JsonSave(meta)
     return ocp.args.Composite(**items)
@@ -214,7 +221,9 @@ def load_params(
 
     The structure comes from ``like`` (built in code); the checkpoint supplies
     values by name. A full-state checkpoint (or a `pztrain.Checkpoints`
-    directory, whose newest checkpoint is used) works too.
+    directory, whose newest checkpoint is used) works too. Nothing is read from
+    a file before the names, shapes and dtypes of the JSON, the target and the
+    array files agree; each array is then checked against its checksum.
 
     Args:
       directory: A checkpoint from `save_params`, `save_state` or
@@ -232,20 +241,20 @@ def load_params(
       CheckpointMismatchError: the checkpoint is readable but holds other
         params: missing or unexpected names, a shape or dtype that differs
         (stored vs expected), each named.
-      CheckpointError: the checkpoint cannot be trusted (not a complete
-        checkpoint, or unreadable).
+      CheckpointError: the checkpoint cannot be trusted: not a complete
+        checkpoint, or array files that are missing, truncated, outside it,
+        described otherwise than its JSON, or whose bytes fail their checksum
+        (naming the parameter and the file).
     """
     path = checkpoint_dir(directory)
     meta = read_metadata(path)
     params, rebuild = params_target(like)
     stored = stored_params(meta)
     wanted = check_params(path, stored, dict(named_leaves(params)), partial)
-    target = {
-        str(i): _abstract(*stored[n]) for i, n in enumerate(stored) if n in wanted
-    }
-    restored = _restore(path, params=(target, len(target) < len(stored)))["params"]
     names = list(stored)
-    return rebuild(filled(params, {names[int(i)]: v for i, v in restored.items()}))
+    arrays = [a for a in _stored_params(meta) if names[int(a.key)] in wanted]
+    restored = _read(path, meta, params=arrays)
+    return rebuild(filled(params, _by_name(names, restored["params"])))
 
 
 def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
@@ -253,7 +262,8 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
 
     Every array comes back with ``like`` 's exact types (optax state classes,
     penzai structures, PRNG keys), and every stored number as the type ``like``
-    has there, so the run continues bit for bit.
+    has there, so the run continues bit for bit. Files are checked as in
+    `load_params`.
 
     Raises:
       CheckpointMismatchError: the checkpoint is readable but was saved from
@@ -273,20 +283,21 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
     stored = stored_params(meta)
     check_params(path, stored, dict(named_leaves(like.params)), partial=False)
     leaves = _state_leaves(like)
-    like_arrays = [x for p, x in leaves if is_array(x)]
-    check_state(path, meta["state"], [(p, x) for p, x in leaves if is_array(x)])
+    like_arrays = [(p, x) for p, x in leaves if is_array(x)]
+    check_state(path, meta["state"], like_arrays)
     scalars = restored_scalars(path, meta["state"]["scalars"], leaves)
-    ocp = _orbax.ocp()
-    p_target = {str(i): _abstract(*stored[n]) for i, n in enumerate(stored)}
-    s_target = {
-        str(i): ocp.utils.to_shape_dtype_struct(x) for i, x in enumerate(like_arrays)
-    }
-    restored = _restore(path, params=(p_target, False), state=(s_target, False))
-    names = list(stored)
-    by_name = {names[int(i)]: v for i, v in restored["params"].items()}
+    state_arrays = _stored_state(meta, like_arrays)
+    restored = _read(path, meta, params=_stored_params(meta), state=state_arrays)
+    by_name = _by_name(list(stored), restored["params"])
     arrays = [restored["state"][str(i)] for i in range(len(like_arrays))]
     rest = _filled_state(like, arrays, scalars)
     return rest.replace(params=filled(like.params, by_name))
+
+
+def _by_name(names: list[str], restored: dict[str, Any]) -> dict[str, Any]:
+    """Restored params by name, as JAX arrays (a 64-bit one read on the host
+    is narrowed by JAX's rules here, after its checksum was verified)."""
+    return {names[int(k)]: jax.numpy.asarray(v) for k, v in restored.items()}
 
 
 def _filled_state(like: TrainState, arrays: list[Any], scalars: dict) -> TrainState:
@@ -300,9 +311,62 @@ def _filled_state(like: TrainState, arrays: list[Any], scalars: dict) -> TrainSt
     return treedef.unflatten(leaves)
 
 
-def _abstract(shape: tuple[int, ...], dtype: str) -> jax.ShapeDtypeStruct:
+def _stored_params(meta: dict[str, Any]) -> list[StoredArray]:
+    p = meta["params"]
+    sums = p.get(CHECKSUM) or [None] * len(p["names"])
+    return [
+        StoredArray(f"parameter {name!r}", str(i), _abstract(shape, dtype), checksum)
+        for i, (name, shape, dtype, checksum) in enumerate(
+            zip(p["names"], p["shapes"], p["dtypes"], sums, strict=True)
+        )
+    ]
+
+
+def _stored_state(
+    meta: dict[str, Any], like_arrays: list[tuple[str, Any]]
+) -> list[StoredArray]:
+    sums = meta["state"].get(CHECKSUM) or [None] * len(like_arrays)
+    return [
+        StoredArray(f"state array {p}", str(i), _like(x), checksum)
+        for i, ((p, x), checksum) in enumerate(zip(like_arrays, sums, strict=True))
+    ]
+
+
+def _like(x: Any) -> jax.ShapeDtypeStruct:
+    """Where a state array goes: ``x`` 's place (the host for a NumPy array)."""
+    sharding = x.sharding if isinstance(x, jax.Array) else None
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+def _abstract(shape: list[int], dtype: str) -> jax.ShapeDtypeStruct:
+    """Where a stored param goes: the first device (or the host, for a 64-bit
+    dtype JAX would narrow: checked at its stored width, then narrowed)."""
+    dtype = np.dtype(dtype)
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        return jax.ShapeDtypeStruct(tuple(shape), dtype)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def _read(
+    path: Path, meta: dict[str, Any], **items: list[StoredArray]
+) -> dict[str, Any]:
+    """Checks the files of ``items``, restores them, and verifies what was read."""
+    counts = {"params": len(meta["params"]["names"])}
+    counts["state"] = len(meta.get("state", {}).get("paths", []))
+    for item, arrays in items.items():
+        _integrity.check_files(path, item, arrays, counts[item])
+    targets = {
+        item: (
+            {a.key: _integrity.as_written(a.target) for a in arrays},
+            len(arrays) < counts[item],
+        )
+        for item, arrays in items.items()
+    }
+    restored = _restore(path, **targets)
+    for item, arrays in items.items():
+        _integrity.verify(path, item, arrays, restored[item])
+    return restored
 
 
 def _restore(path: Path, **items: tuple[dict[str, Any], bool]) -> dict[str, Any]:
@@ -322,8 +386,16 @@ def _restore(path: Path, **items: tuple[dict[str, Any], bool]) -> dict[str, Any]
     except Exception as e:  # orbax raises many kinds; name the checkpoint
         raise CheckpointError(
             f"Checkpoint {path} is incomplete or corrupt and could not be read: "
-            f"{type(e).__name__}: {str(e)[:500]}"
-        ) from e
+            f"{_first_cause(e)}. Load another checkpoint."
+        ) from None
+
+
+def _first_cause(e: BaseException) -> str:
+    """The innermost cause of an orbax error, in one line (no TensorStore spec)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    line = (str(e).splitlines() or [""])[0].split(" See full TensorStore")[0]
+    return f"{type(e).__name__}: {line[:300]}"
 
 
 # ----------------------------------------------------------------------------

@@ -1,15 +1,20 @@
 """Loads that do not trust the files (issue 11).
 
-Numbers stored in the JSON come back only as the types the target has; leaves a
-checkpoint cannot hold are refused at save. A checkpoint that is readable but
-saved from another structure is a `CheckpointMismatchError`; one that cannot be
-trusted a plain `CheckpointError`.
+Array files whose description, size, place or bytes are not what the save wrote
+are refused before (or, for bytes, right after) they are read, naming the
+parameter and the file; numbers stored in the JSON come back only as the types
+the target has; leaves a checkpoint cannot hold are refused at save. A
+checkpoint that is readable but saved from another structure is a
+`CheckpointMismatchError`; one that cannot be trusted a plain `CheckpointError`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +27,7 @@ import pytest
 import pztrain
 from pztrain import CheckpointError, CheckpointMismatchError, TrainState
 
+ROOT = Path(__file__).resolve().parents[2]
 W = jnp.arange(4.0)  # params are stored in name order: "b" is 0, "w" is 1
 PARAMS = {"b": jnp.arange(3, dtype=jnp.int32), "w": W}
 
@@ -40,14 +46,325 @@ class ExtraState(TrainState):
     rate: Any
 
 
+def _chunk(directory: Path) -> Path:
+    """The one data file of an array's directory."""
+    (file,) = [f for f in directory.iterdir() if not f.name.startswith(".")]
+    return file
+
+
 def _edit_json(file: Path, edit) -> None:
     data = json.loads(file.read_text())
     edit(data)
     file.write_text(json.dumps(data))
 
 
+def _flip_a_bit(file: Path, at: int = 5) -> None:
+    data = bytearray(file.read_bytes())
+    data[at] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+def _corrupt(ckpt: Path, *details: str) -> str:
+    """The regex of a corruption error: its checkpoint, then ``details``."""
+    parts = [f"Checkpoint {ckpt} is incomplete or corrupt: ", *details]
+    return ".*".join(map(re.escape, parts))
+
+
 def _not_a_mismatch(excinfo: pytest.ExceptionInfo) -> None:
     assert not isinstance(excinfo.value, CheckpointMismatchError), excinfo.value
+
+
+# ------------------------------------------- on-disk array metadata
+
+
+@pytest.mark.parametrize(
+    "edit, said",
+    [
+        (lambda z: z.update(dtype="<i4"), "dtype '<i4'"),  # same size: was cast
+        (lambda z: z.update(dtype="<f2"), "dtype '<f2'"),
+        (lambda z: z.update(shape=[2], chunks=[2]), "shape [2]"),
+        (lambda z: z.update(compressor={"id": "zstd"}), "compressor {'id': 'zstd'}"),
+        (lambda z: z.update(chunks=[1]), "has 16 bytes, not the 4 of its chunk"),
+    ],
+    ids=["dtype-same-size", "dtype-other-size", "shape", "compressed", "chunks"],
+)
+def test_array_files_described_otherwise_than_the_json_are_refused(
+    tmp_path, edit, said
+):
+    ckpt = pztrain.save_params(tmp_path / "p", PARAMS)
+    _edit_json(ckpt / "params" / "1" / ".zarray", edit)
+    with pytest.raises(CheckpointError, match=_corrupt(ckpt, "params/1/", said)) as e:
+        pztrain.load_params(ckpt, _like())
+    _not_a_mismatch(e)
+    assert "parameter 'w'" in str(e.value) and "TensorStore" not in str(e.value)
+
+
+def test_a_state_array_described_otherwise_is_named_by_its_path(tmp_path):
+    ckpt = pztrain.save_state(tmp_path / "s", _state())
+    paths = pztrain.read_metadata(ckpt)["state"]["paths"]
+    i = paths.index(".opt_state[0].mu['w']")
+    _edit_json(ckpt / "state" / str(i) / ".zarray", lambda z: z.update(dtype="<i4"))
+    with pytest.raises(
+        CheckpointError,
+        match=_corrupt(
+            ckpt,
+            f"state/{i}/.zarray, the description of state array "
+            ".opt_state[0].mu['w'], says dtype '<i4'",
+        ),
+    ):
+        pztrain.load_state(ckpt, _state())
+
+
+@pytest.mark.parametrize(
+    "edit, said",
+    [
+        (lambda m: m["tree_metadata"].popitem(), "does not list the 2 plain arrays"),
+        (
+            lambda m: m["tree_metadata"]["('1',)"]["value_metadata"].update(
+                value_type="scalar"
+            ),
+            "does not list the 2 plain arrays",
+        ),
+        (
+            lambda m: m["tree_metadata"]["('1',)"]["value_metadata"].update(
+                skip_deserialize=True
+            ),
+            "does not list the 2 plain arrays",
+        ),
+    ],
+    ids=["an-array-left-out", "not-an-array", "value-from-elsewhere"],
+)
+def test_orbax_listing_that_differs_from_the_json_is_refused(tmp_path, edit, said):
+    ckpt = pztrain.save_params(tmp_path / "p", PARAMS)
+    _edit_json(ckpt / "params" / "_METADATA", edit)
+    with pytest.raises(
+        CheckpointError, match=_corrupt(ckpt, "params/_METADATA", said)
+    ) as e:
+        pztrain.load_params(ckpt, _like())
+    _not_a_mismatch(e)
+
+
+# --------------------------------------------- only the expected files
+
+
+def test_an_aggregate_file_never_supplies_a_param(tmp_path):
+    from orbax.checkpoint import msgpack_utils
+
+    ckpt = pztrain.save_params(tmp_path / "p", PARAMS)
+    values = {"0": np.full(3, 7, np.int32), "1": np.full(4, 9.0, np.float32)}
+    (ckpt / "params" / "checkpoint").write_bytes(
+        msgpack_utils.msgpack_serialize(values)
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(
+            f"Checkpoint {ckpt} is refused: {ckpt / 'params' / 'checkpoint'} is an "
+            "orbax aggregate file, which pztrain never writes"
+        )
+        + ".*Delete it if you trust the rest",
+    ) as e:
+        pztrain.load_params(ckpt, _like())
+    _not_a_mismatch(e)
+
+
+def test_other_extra_files_are_ignored(tmp_path):
+    ckpt = pztrain.save_state(tmp_path / "s", _state())
+    (ckpt / "params" / "extra.msgpack").write_bytes(b"\x81\xa1w\x93\x01\x02\x03")
+    (ckpt / "params" / "7").mkdir()
+    (ckpt / "params" / "7" / "0").write_bytes(np.ones(4, np.float32).tobytes())
+    (ckpt / "state" / "notes.txt").write_text("hello")
+    back = pztrain.load_state(ckpt, _state())
+    np.testing.assert_array_equal(back.params["w"], W)
+    assert sorted(back.params) == ["w"]
+
+
+def test_a_chunk_file_linked_out_of_the_checkpoint_is_refused(tmp_path):
+    ckpt = pztrain.save_params(tmp_path / "p", PARAMS)
+    chunk = _chunk(ckpt / "params" / "1")
+    outside = tmp_path / "outside"
+    outside.write_bytes(np.full(4, 5.0, np.float32).tobytes())
+    chunk.unlink()
+    chunk.symlink_to(outside)
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(
+            f"Checkpoint {ckpt} is refused: {chunk}, a file of parameter 'w', leads "
+            f"to {outside}, outside the checkpoint"
+        ),
+    ) as e:
+        pztrain.load_params(ckpt, _like())
+    _not_a_mismatch(e)
+    # A whole array directory linked out is refused the same way.
+    chunk.unlink()
+    chunk.write_bytes(np.asarray(W).tobytes())
+    moved = tmp_path / "moved"
+    (ckpt / "params" / "1").rename(moved)
+    (ckpt / "params" / "1").symlink_to(moved)
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        pztrain.load_params(ckpt, _like())
+
+
+def test_a_link_that_stays_inside_the_checkpoint_is_read(tmp_path):
+    ckpt = pztrain.save_params(tmp_path / "p", PARAMS)
+    chunk = _chunk(ckpt / "params" / "1")
+    copy = ckpt / "params" / "copy"
+    chunk.rename(copy)
+    chunk.symlink_to(copy)
+    np.testing.assert_array_equal(pztrain.load_params(ckpt, _like())["w"], W)
+
+
+# ---------------------------------------- truncated and missing chunks
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_truncated_or_missing_chunk_names_the_parameter_and_the_file(
+    tmp_path, damage
+):
+    ckpt = pztrain.save_params(tmp_path / "p", PARAMS)
+    chunk = _chunk(ckpt / "params" / "1")
+    if damage == "truncate":
+        chunk.write_bytes(chunk.read_bytes()[:7])
+        said = "has 7 bytes, not the 16 of its chunk"
+    else:
+        chunk.unlink()
+        said = "is missing"
+    with pytest.raises(
+        CheckpointError,
+        match=_corrupt(ckpt, f"{chunk}, a file of parameter 'w', {said}"),
+    ) as e:
+        pztrain.load_params(ckpt, _like())
+    _not_a_mismatch(e)
+    assert "TensorStore" not in str(e.value)
+
+
+def test_a_truncated_chunk_leaves_stderr_clean(tmp_path):
+    ckpt = pztrain.save_state(tmp_path / "s", _state())
+    paths = pztrain.read_metadata(ckpt)["state"]["paths"]
+    chunk = _chunk(ckpt / "state" / str(paths.index(".opt_state[0].mu['w']")))
+    chunk.write_bytes(chunk.read_bytes()[:3])
+    code = (
+        "import jax, optax, pztrain\n"
+        "like = pztrain.TrainState.initial_state({'w': jax.numpy.zeros(4)}, "
+        "optax.adam(0.1), jax.random.key(0))\n"
+        "try:\n"
+        f"    pztrain.load_state({str(ckpt)!r}, like)\n"
+        "except pztrain.CheckpointError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0
+    assert out.stderr == ""
+    assert f"{chunk}, a file of state array .opt_state[0].mu['w'], has 3 bytes" in (
+        out.stdout
+    )
+
+
+# --------------------------------------------------------------- checksums
+
+
+def test_checksums_are_stored_per_param_and_per_state_array(tmp_path):
+    ckpt = pztrain.save_state(tmp_path / "s", _state())
+    meta = pztrain.read_metadata(ckpt)
+    for item, names in (("params", "names"), ("state", "paths")):
+        sums = meta[item]["xxh3_64"]
+        assert len(sums) == len(meta[item][names])
+        assert all(re.fullmatch("[0-9a-f]{16}", s) for s in sums), sums
+
+
+@pytest.mark.parametrize("item", ["params", "state"])
+def test_a_flipped_bit_is_an_error_naming_the_array(tmp_path, item):
+    ckpt = pztrain.save_state(tmp_path / "s", _state())
+    paths = pztrain.read_metadata(ckpt)["state"]["paths"]
+    key = "0" if item == "params" else str(paths.index(".opt_state[0].mu['w']"))
+    _flip_a_bit(_chunk(ckpt / item / key))
+    label = "parameter 'w'" if item == "params" else "state array .opt_state[0].mu['w']"
+    with pytest.raises(
+        CheckpointError,
+        match=_corrupt(
+            ckpt,
+            f"{label} ({ckpt / item / key}) does not match the checksum stored when "
+            "it was saved (xxh3_64 ",
+        ),
+    ) as e:
+        pztrain.load_state(ckpt, _state())
+    _not_a_mismatch(e)
+    if item == "params":
+        with pytest.raises(CheckpointError, match="does not match the checksum"):
+            pztrain.load_params(ckpt, {"w": W})
+
+
+def test_resume_skips_a_checkpoint_whose_bytes_changed(tmp_path):
+    state = _state()
+    later = state.replace(params={"w": W + 1}, step=jnp.asarray(2, jnp.int32))
+    pztrain.Checkpoints(tmp_path / "c").save(state, 1)
+    pztrain.Checkpoints(tmp_path / "c").save(later, 2)
+    _flip_a_bit(_chunk(tmp_path / "c" / "2" / "params" / "0"))
+    with pytest.warns(UserWarning, match=re.escape(str(tmp_path / "c" / "2"))):
+        back = pztrain.Checkpoints(tmp_path / "c").restore_latest(_state())
+    np.testing.assert_array_equal(back.params["w"], W)
+
+
+def test_checksums_on_several_threads_match_and_catch_a_flip(tmp_path, monkeypatch):
+    import pztrain._integrity as integrity
+
+    params = {f"p{i}": jnp.full(5, float(i)) for i in range(6)}
+    serial = pztrain.save_params(tmp_path / "serial", params)
+    monkeypatch.setattr(integrity, "_PARALLEL_BYTES", 0)  # hash on threads
+    threaded = pztrain.save_params(tmp_path / "threaded", params)
+    sums = [pztrain.read_metadata(c)["params"]["xxh3_64"] for c in (serial, threaded)]
+    assert sums[0] == sums[1] and len(set(sums[0])) == 6
+    _flip_a_bit(_chunk(threaded / "params" / "4"))
+    with pytest.raises(CheckpointError, match=re.escape("parameter 'p4' (")):
+        pztrain.load_params(threaded, params)
+
+
+def test_a_checkpoint_saved_before_checksums_still_loads(tmp_path):
+    ckpt = pztrain.save_state(tmp_path / "s", _state())
+
+    def drop(meta):
+        del meta["params"]["xxh3_64"], meta["state"]["xxh3_64"]
+
+    _edit_json(ckpt / "meta" / "metadata", drop)
+    back = pztrain.load_state(ckpt, _state())
+    np.testing.assert_array_equal(back.params["w"], W)
+
+
+def test_a_damaged_checksum_list_is_corruption(tmp_path):
+    ckpt = pztrain.save_params(tmp_path / "p", PARAMS)
+    _edit_json(
+        ckpt / "meta" / "metadata", lambda m: m["params"]["xxh3_64"].append("00")
+    )
+    with pytest.raises(
+        CheckpointError, match=re.escape("metadata's ['params.xxh3_64'] entries")
+    ) as e:
+        pztrain.load_params(ckpt, _like())
+    _not_a_mismatch(e)
+
+
+def test_checksums_cover_bfloat16_keys_and_numpy_arrays(tmp_path):
+    params = {"h": jnp.ones(3, jnp.bfloat16), "n": np.arange(6.0).reshape(2, 3).T}
+    state = TrainState.initial_state(params, optax.sgd(0.1), jax.random.key(3))
+    ckpt = pztrain.save_state(tmp_path / "s", state)
+    like = TrainState.initial_state(
+        {"h": jnp.zeros(3, jnp.bfloat16), "n": np.zeros((3, 2))},
+        optax.sgd(0.1),
+        jax.random.key(0),
+    )
+    back = pztrain.load_state(ckpt, like)
+    np.testing.assert_array_equal(back.params["n"], params["n"])  # non-contiguous
+    np.testing.assert_array_equal(
+        jax.random.key_data(back.root_rng), jax.random.key_data(state.root_rng)
+    )
+    paths = pztrain.read_metadata(ckpt)["state"]["paths"]
+    _flip_a_bit(_chunk(ckpt / "state" / str(paths.index(".root_rng"))), at=0)
+    with pytest.raises(CheckpointError, match=re.escape("state array .root_rng (")):
+        pztrain.load_state(ckpt, like)
 
 
 # ------------------------------------------------- numbers in the JSON
@@ -167,3 +484,12 @@ def test_a_readable_checkpoint_of_another_structure_is_a_mismatch(tmp_path):
     params_only = pztrain.save_params(tmp_path / "p", PARAMS)
     with pytest.raises(CheckpointMismatchError, match="holds params only"):
         pztrain.load_state(params_only, _state())
+
+
+def test_64_bit_numpy_params_are_verified_at_their_stored_width(tmp_path):
+    assert not jax.config.jax_enable_x64
+    values = np.linspace(0, 1, 7)  # float64, not exact in float32
+    ckpt = pztrain.save_params(tmp_path / "p", {"w": values})
+    assert pztrain.read_metadata(ckpt)["params"]["dtypes"] == ["float64"]
+    back = pztrain.load_params(ckpt, {"w": np.zeros(7)})
+    np.testing.assert_array_equal(back["w"], jnp.asarray(values))

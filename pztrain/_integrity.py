@@ -1,0 +1,290 @@
+"""What a load checks before it trusts a checkpoint's array files, and after.
+
+An array item (``params``, ``state``) is a directory of orbax's zarr arrays, one
+sub-directory per array (``params/0/.zarray`` and its chunk files ``0``,
+``0.0``, …) with orbax's list of them in ``_METADATA``. Before orbax reads any
+data, `check_files` makes sure that:
+
+* ``_METADATA`` lists exactly the arrays of the JSON, each as a plain array, and
+  no orbax aggregate file (``checkpoint``, msgpack) is there to supply values;
+* each ``.zarray`` has the JSON's shape and dtype, uncompressed (so nothing is
+  ever cast from another dtype);
+* every chunk file exists inside the checkpoint (not through a link out of
+  it) with exactly the bytes the chunk needs.
+
+After the read, `verify` compares each array with the checksum stored at save
+(`checksum`: xxh3-64 of the array's C-ordered bytes, the JSON's ``"xxh3_64"``
+lists). Checkpoints saved before checksums existed have none and are not
+verified. Every failure here is a `CheckpointError` (the files are damaged or
+were changed), never a `CheckpointMismatchError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import xxhash
+
+from pztrain._meta import CHECKSUM, CheckpointError
+from pztrain._tree import describe_shape, is_array
+
+__all__ = [
+    "StoredArray",
+    "as_written",
+    "check_files",
+    "checksum",
+    "checksums",
+    "verify",
+]
+
+_AGGREGATE_FILE = "checkpoint"  # orbax's msgpack of values; pztrain never writes it
+_ARRAY_TYPES = ("jax.Array", "np.ndarray")
+_LOAD_ANOTHER = "Load another checkpoint (resuming skips this one)."
+_PARALLEL_BYTES = 64 * 2**20  # above this, arrays are hashed on several threads
+
+
+class StoredArray(NamedTuple):
+    """One array of an item, as the JSON (checked against the target) describes it.
+
+    Attributes:
+      label: How errors name it: ``"parameter 'w'"``, ``"state array .step"``.
+      key: Its key in the item (``"0"``, ``"1"``, …), its sub-directory's name.
+      target: Its shape and dtype (and sharding) once restored.
+      checksum: The checksum stored at save, or ``None`` (not verified).
+    """
+
+    label: str
+    key: str
+    target: jax.ShapeDtypeStruct
+    checksum: str | None
+
+
+# ----------------------------------------------------------------------------
+# checksums
+
+
+def checksum(x: Any) -> str | None:
+    """xxh3-64 of an array's bytes in C order, as 16 hex digits.
+
+    PRNG key arrays are hashed through their key data. ``None`` for an array
+    this process cannot see whole (sharded across processes).
+
+    Example:
+      >>> import numpy as np
+      >>> checksum(np.zeros(2, np.float32)) == checksum(np.zeros(2, np.float32))
+      True
+    """
+    if isinstance(x, jax.Array):
+        if not x.is_fully_addressable:
+            return None
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        with jax.transfer_guard_device_to_host("allow"):
+            x = np.asarray(x)  # no copy for an array on the CPU
+    data = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    return f"{xxhash.xxh3_64_intdigest(data):016x}"
+
+
+def checksums(arrays: Sequence[Any]) -> list[str | None]:
+    """`checksum` of each array; on several threads (xxhash releases the GIL)
+    when there are enough bytes for it to pay."""
+    total = sum(np.size(x) * np.dtype(_host_dtype(x)).itemsize for x in arrays)
+    threads = min(len(arrays), os.cpu_count() or 1, 8)
+    if total < _PARALLEL_BYTES or threads < 2:
+        return [checksum(x) for x in arrays]
+    with ThreadPoolExecutor(threads, thread_name_prefix="pztrain-checksum") as pool:
+        return list(pool.map(checksum, arrays))
+
+
+def _host_dtype(x: Any) -> Any:
+    return np.uint32 if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x.dtype
+
+
+def verify(root: Path, item: str, arrays: list[StoredArray], restored: dict) -> None:
+    """Checks the restored arrays' shapes, dtypes and checksums.
+
+    Raises:
+      CheckpointError: naming the array and its directory, if one differs.
+    """
+    for a in arrays:
+        x = restored.get(a.key)
+        want = describe_shape(a.target.shape, str(a.target.dtype))
+        got = describe_shape(np.shape(x), str(x.dtype)) if is_array(x) else None
+        if got != want:
+            where = f"{a.label} ({root / item / a.key})"
+            raise _corrupt(root, f"{where} was read as {got}, not {want}")
+    checked = [a for a in arrays if a.checksum is not None]
+    read = checksums([restored[a.key] for a in checked])
+    for a, found in zip(checked, read, strict=True):
+        if found is not None and found != a.checksum:
+            where = f"{a.label} ({root / item / a.key})"
+            raise _corrupt(
+                root,
+                f"{where} does not match the checksum stored when it was saved "
+                f"({CHECKSUM} {a.checksum}, read {found}): its bytes changed on disk",
+            )
+
+
+# ----------------------------------------------------------------------------
+# files
+
+
+def check_files(root: Path, item: str, arrays: list[StoredArray], count: int) -> None:
+    """Checks an item's files before any array data is read.
+
+    Args:
+      root: The checkpoint directory.
+      item: ``"params"`` or ``"state"``.
+      arrays: The arrays about to be read.
+      count: How many arrays the JSON says the item holds.
+
+    Raises:
+      CheckpointError: naming the file (and the array) that is not what pztrain
+        wrote.
+    """
+    _check_listing(root, root / item, count)
+    top = root.resolve()
+    for a in arrays:
+        _check_array(root, top, root / item / a.key, a)
+
+
+def _check_listing(root: Path, directory: Path, count: int) -> None:
+    """``_METADATA`` lists ``count`` plain arrays; no aggregate file."""
+    if (directory / _AGGREGATE_FILE).exists():
+        raise CheckpointError(
+            f"Checkpoint {root} is refused: {directory / _AGGREGATE_FILE} is an "
+            "orbax aggregate file, which pztrain never writes and orbax would take "
+            "array values from. Delete it if you trust the rest of the checkpoint; "
+            "otherwise load another checkpoint (resuming skips this one)."
+        )
+    listing = directory / "_METADATA"
+    tree = _read_json(root, listing).get("tree_metadata")
+    entries = list(tree.values()) if isinstance(tree, dict) else []
+    keys = [_array_key(entry) for entry in entries]
+    if None in keys or sorted(keys) != sorted(map(str, range(count))):
+        raise _corrupt(
+            root,
+            f"{listing} does not list the {count} plain arrays of its JSON (it has "
+            f"{len(entries)} entries, {len(keys) - keys.count(None)} of them plain "
+            "arrays)",
+        )
+
+
+def _array_key(entry: Any) -> str | None:
+    """The key of a ``_METADATA`` entry that orbax reads as a plain array."""
+    if not isinstance(entry, dict):
+        return None
+    value, key = entry.get("value_metadata"), entry.get("key_metadata")
+    if (
+        not isinstance(value, dict)
+        or value.get("value_type") not in _ARRAY_TYPES
+        or value.get("skip_deserialize")
+        or not isinstance(key, list)
+        or len(key) != 1
+        or not isinstance(key[0], dict)
+    ):
+        return None
+    return key[0].get("key")
+
+
+def _check_array(root: Path, top: Path, directory: Path, a: StoredArray) -> None:
+    """The array's ``.zarray`` and chunk files are what its save wrote."""
+    written = as_written(a.target)
+    shape, dtype = tuple(written.shape), np.dtype(written.dtype)
+    zarray = _inside(root, top, directory / ".zarray", a)
+    spec = _read_json(root, zarray)
+    want = {
+        "zarr_format": 2,
+        "shape": list(shape),
+        "dtype": dtype.str if dtype.isbuiltin == 1 else dtype.name,
+        "compressor": None,
+        "filters": None,
+        "order": "C",
+        "dimension_separator": ".",
+    }
+    spec.setdefault("dimension_separator", ".")  # zarr's default
+    wrong = [k for k, v in want.items() if spec.get(k, "?") != v]
+    chunks = spec.get("chunks")
+    if not _is_chunk_shape(chunks, shape):
+        wrong.append("chunks")
+    if wrong:
+        said = ", ".join(f"{k} {spec.get(k)!r}" for k in wrong)
+        needed = ", ".join(
+            f"{k} {want.get(k, 'within ' + str(shape))!r}" for k in wrong
+        )
+        json_says = describe_shape(a.target.shape, str(a.target.dtype))
+        raise _corrupt(
+            root,
+            f"{zarray}, the description of {a.label}, says {said}, where the JSON's "
+            f"{json_says} needs {needed}",
+        )
+    size = math.prod(chunks) * dtype.itemsize
+    grid = [range(math.ceil(n / c)) for n, c in zip(shape, chunks, strict=True)]
+    for index in itertools.product(*grid):
+        chunk = directory / (".".join(map(str, index)) or "0")
+        try:
+            found = _inside(root, top, chunk, a).stat().st_size
+        except OSError:
+            raise _corrupt(root, f"{chunk}, a file of {a.label}, is missing") from None
+        if found != size:
+            raise _corrupt(
+                root,
+                f"{chunk}, a file of {a.label}, has {found} bytes, not the {size} of "
+                "its chunk",
+            )
+
+
+def _inside(root: Path, top: Path, file: Path, a: StoredArray) -> Path:
+    """``file`` with links resolved, if it stays inside the checkpoint."""
+    real = Path(os.path.realpath(file))
+    if not real.is_relative_to(top):
+        raise CheckpointError(
+            f"Checkpoint {root} is refused: {file}, a file of {a.label}, leads to "
+            f"{real}, outside the checkpoint, and pztrain reads only files inside "
+            "it. Copy the data in if you trust it; otherwise load another "
+            "checkpoint (resuming skips this one)."
+        )
+    return real
+
+
+def as_written(target: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """The array as stored: a PRNG key array is written as its key data."""
+    if not jax.dtypes.issubdtype(target.dtype, jax.dtypes.prng_key):
+        return target
+    data = jax.eval_shape(
+        jax.random.key_data, jax.ShapeDtypeStruct(target.shape, target.dtype)
+    )
+    return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=target.sharding)
+
+
+def _is_chunk_shape(chunks: Any, shape: tuple[int, ...]) -> bool:
+    if not isinstance(chunks, list) or len(chunks) != len(shape):
+        return False
+    return all(
+        isinstance(c, int) and 0 < c <= n for c, n in zip(chunks, shape, strict=True)
+    )
+
+
+def _read_json(root: Path, file: Path) -> dict:
+    try:
+        found = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise _corrupt(root, f"cannot read {file} ({e})") from None
+    if not isinstance(found, dict):
+        raise _corrupt(root, f"{file} is not what orbax writes")
+    return found
+
+
+def _corrupt(root: Path, detail: str) -> CheckpointError:
+    return CheckpointError(
+        f"Checkpoint {root} is incomplete or corrupt: {detail}. {_LOAD_ANOTHER}"
+    )
