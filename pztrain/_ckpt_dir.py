@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
+from typing import Any
 
-from pztrain._meta import CheckpointError
+from pztrain import checkpoint
+from pztrain._meta import CheckpointError, CheckpointMismatchError
+from pztrain.state import TrainState
 
-__all__ = ["check_writable", "remove_temporaries", "set_aside", "temporaries"]
+__all__ = ["check_writable", "read", "remove_temporaries", "set_aside", "temporaries"]
 
 
 def check_writable(directory: Path) -> None:
@@ -58,3 +62,21 @@ def set_aside(directory: Path, steps: list[int]) -> None:
     for step in steps:
         path = directory / str(step)
         path.rename(path.with_name(f"{step}.unreadable"))
+
+
+def read(path: Path, like: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
+    """Checkpoint ``path`` restored into ``like``, with the callback states saved
+    with it; ``None`` (and a warning naming it) if it cannot be read.
+
+    Raises:
+      CheckpointMismatchError: if it is readable but of another structure.
+    """
+    try:
+        state = checkpoint.load_state(path, like)
+        meta = checkpoint.read_metadata(path)
+    except CheckpointMismatchError:
+        raise
+    except CheckpointError as e:
+        warnings.warn(f"Skipping unreadable checkpoint {path}: {e}", stacklevel=4)
+        return None
+    return state, meta.get("metadata", {}).get("callbacks", {})

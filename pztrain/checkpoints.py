@@ -96,6 +96,8 @@ class Checkpoints(Callback):
         self._open_point: int | None = None  # a host point whose hooks are running
         self._stale: list[int] = []  # another run's steps, deleted at the start
         self._failed: checkpoint.CheckpointError | None = None
+        self._ranked = False  # whether a save had the monitored metric
+        self._running = False  # between on_train_start and on_train_end
 
     # -- the orbax manager
 
@@ -171,7 +173,9 @@ class Checkpoints(Callback):
             return
         self._make_room(step)
         args = checkpoint.save_args(state.params, state, self._metadata(state, metrics))
-        best = {self.monitor: metrics[self.monitor]} if metrics else None
+        ranked = metrics is not None and self.monitor in metrics
+        best = {self.monitor: metrics[self.monitor]} if ranked else None
+        self._ranked = self._ranked or ranked
         try:
             self.manager.save(step, args=args, metrics=best, force=True)
         except Exception as e:  # orbax raises many kinds; name the step
@@ -321,32 +325,18 @@ class Checkpoints(Callback):
             )
         unreadable = []
         for step in sorted(self.manager.all_steps(), reverse=True):
-            found = self._restore(step, like, callbacks)
+            found = _ckpt_dir.read(self.directory / str(step), like)
             if found is not None:
                 self._set_aside(unreadable)
                 self._last_done = step
-                return found
+                state, saved = found
+                for i, cb in enumerate(callbacks):
+                    if f"{i}:{type(cb).__name__}" in saved:
+                        cb.load_state_dict(saved[f"{i}:{type(cb).__name__}"])
+                return state
             unreadable.append(step)
         self._set_aside(unreadable)
         return None
-
-    def _restore(self, step: int, like: TrainState, callbacks) -> TrainState | None:
-        """Checkpoint ``step`` restored, or ``None`` (with a warning) if unreadable."""
-        path = self.directory / str(step)
-        try:
-            state = checkpoint.load_state(path, like)
-            meta = checkpoint.read_metadata(path)
-        except checkpoint.CheckpointMismatchError:
-            raise
-        except checkpoint.CheckpointError as e:
-            warnings.warn(f"Skipping unreadable checkpoint {path}: {e}", stacklevel=3)
-            return None
-        saved = meta.get("metadata", {}).get("callbacks", {})
-        for i, cb in enumerate(callbacks):
-            key = f"{i}:{type(cb).__name__}"
-            if key in saved:
-                cb.load_state_dict(saved[key])
-        return state
 
     def _set_aside(self, steps: list[int]) -> None:
         if steps:
@@ -363,6 +353,7 @@ class Checkpoints(Callback):
                 "eval_data to fit, or monitor a train metric."
             )
         self._hparams = jsonable(dict(info.hparams))
+        self._running, self._ranked = True, False
         self._callbacks = tuple(info.callbacks)
         if self._last_done is None:
             self._last_done = info.start_step
@@ -381,11 +372,8 @@ class Checkpoints(Callback):
         self._open_point = step
 
     def _periodic(self, step: int) -> bool:
-        return (
-            self.every_steps is not None
-            and self._last_done is not None
-            and step - self._last_done >= self.every_steps
-        )
+        every, last = self.every_steps, self._last_done
+        return every is not None and last is not None and step - last >= every
 
     def on_log(self, state, record):
         self._open_point = record["step"]
@@ -418,15 +406,19 @@ class Checkpoints(Callback):
         if due == step:
             self.save(state, step, self._metrics_at(step))
 
-    def _metrics_at(self, step: int) -> dict[str, float] | None:
-        """The metrics of the evaluation at ``step``, if there was one."""
-        return self._eval[1] if self._eval and self._eval[0] == step else None
+    def _metrics_at(self, step: int) -> dict[str, float]:
+        """The metrics of the evaluation at ``step`` (if there was one) and the
+        latest train metrics."""
+        if self._eval and self._eval[0] == step:
+            return self._eval[1]
+        return dict(self._latest_metrics)
 
     def on_train_end(self, state, history):
         """Saves the final state (also after an exception), unless it was
-        consumed, a save failed, or the run ended inside the host point of its
-        step (a checkpoint would skip the rest of that point on resume)."""
-        if self._failed is not None:
+        consumed, a save failed, the run did not start, or it ended inside the
+        host point of its step (resuming would skip the rest of that point)."""
+        running, self._running = self._running, False
+        if self._failed is not None or not running:
             return
         try:
             state.check_not_donated("Checkpoints.on_train_end")
@@ -435,6 +427,13 @@ class Checkpoints(Callback):
         step = int(state.step)
         if self._last_done != step and self._open_point != step:
             self.save(state, step, self._metrics_at(step))
+        if self.keep_best and not self._ranked:
+            warnings.warn(
+                f"Checkpoints(keep_best={self.keep_best}) ranked no checkpoint: no "
+                f"save saw the metric {self.monitor!r}. Monitor a metric the run "
+                "logs or evaluates.",
+                stacklevel=2,
+            )
 
 
 def _check_args(mode: str, keep_last: int, keep_best: int, every_steps) -> None:

@@ -311,7 +311,10 @@ def test_saves_finish_when_the_run_is_interrupted(tmp_path):
             checkpoints=ckpt,
             progress=False,
         )
-    assert sorted(int(p.name) for p in (tmp_path / "c").iterdir()) == [4, 8, 12]
+    # Interrupted inside the log point of step 12 (before its record was
+    # logged): a checkpoint at 12 would lose that record on resume, so the
+    # newest is 8.
+    assert sorted(int(p.name) for p in (tmp_path / "c").iterdir()) == [4, 8]
     assert not list((tmp_path / "c").glob("*tmp*"))
 
 

@@ -307,3 +307,16 @@ def test_a_save_that_fails_in_the_background_stops_the_run_and_cleans_up(tmp_pat
     assert list((tmp_path / "c").iterdir()) == []  # no temporaries left
     seconds = float(re.search(r"SECONDS (\S+)", out.stdout)[1])
     assert seconds < 60  # stopped early: not 40 steps of saves, no 300 s hang
+
+
+def test_keep_best_by_a_train_metric_ranks_the_saves(tmp_path):
+    ckpt = pztrain.Checkpoints(tmp_path, every_steps=2, keep_best=1, monitor="loss")
+    train(new_state(), ckpt, num_steps=6, log_every=2)
+    assert ckpt.best_step() == 6  # the loss falls: the newest is the best
+    assert pztrain.read_metadata(tmp_path / "6")["metadata"]["metrics"]["loss"] > 0
+
+
+def test_keep_best_whose_metric_never_appears_warns(tmp_path):
+    ckpt = pztrain.Checkpoints(tmp_path, every_steps=2, keep_best=1, monitor="acc")
+    with pytest.warns(UserWarning, match="ranked no checkpoint: .*'acc'"):
+        train(new_state(), ckpt, num_steps=4, log_every=2)
