@@ -13,24 +13,29 @@ repeated, every value equal; only the wall-clock ``time`` field may differ) and
 
 Kinds of kill, drawn from a seeded ``random.Random`` (the seed is printed):
 
-- ``run``: at a uniformly random time during training (after the worker's
-  ``ready`` line, scaled to the steps left);
+- ``run``: at a random point of a random step: after the worker reports step
+  ``k`` (uniform over the steps left; ``ready`` for the first), within the time
+  the reference run took from there to the next step (to ``done`` after the last);
 - ``save``: while an asynchronous checkpoint save is in progress: the driver polls
   the checkpoint directory for an orbax temporary (``<step>.orbax-checkpoint-tmp``)
   that the running process made (not one left by an earlier kill) and kills at
-  once; the kill counts as landing during a save if that temporary existed just
-  before the kill and is still there once the process is dead;
+  once;
 - ``eval``: during an evaluation at a checkpointed step, once that checkpoint is
   complete (the resumed run starts at that step: its eval record must survive);
   at the run's last such evaluation, after 80% of an evaluation's time anyway;
-- ``start``: at a random time between launch and ``ready`` (imports, restoring the
-  checkpoint, cutting back the log).
+- ``start``: at a random time between launch and the workers' median time to
+  ``ready`` (imports, restoring the checkpoint, cutting back the log).
 
-Reduced mode (CI: ``test_kill_campaign.py``): one trial with three kills (a save,
-an eval and a run kill, in a seeded order), five worker processes in all. Full mode
-(``python tests/reliability/kill_campaign.py --full``): 20 trials, at least 20 kills
-of which at least 5 land during saves; trials are added (up to 5) if planned kills
-missed (the process ended first) and these figures are not reached.
+Any kill counts as landing during a save if an orbax temporary
+(``<step>.orbax-checkpoint-tmp``) that the killed process made existed just before
+the kill and is still there once the process is dead.
+
+Reduced mode (CI: ``test_kill_campaign.py``): one trial with three kills (a save
+and a run kill in a seeded order, then an eval kill), five worker processes in all.
+Full mode (``python tests/reliability/kill_campaign.py --full``): 20 trials, at
+least 20 kills of which at least 5 land during saves; trials are added (up to 5)
+if planned kills missed (the process ended first) and these figures are not
+reached.
 """
 
 from __future__ import annotations
@@ -116,9 +121,10 @@ class Kill:
         if not self.landed:
             return f"{self.kind} kill missed (the process ended first)"
         text = f"{self.kind} kill at {self.at:.2f} s, {self.where}"
-        if self.kind == "save":
-            state = "landed during" if self.during_save else "missed"
-            text += f", {state} the save {self.saving or '(none seen)'}"
+        if self.during_save:
+            text += f", landed during the save {self.saving}"
+        elif self.kind == "save":
+            text += f", missed the save {self.saving or '(none seen)'}"
         return (
             f"{text}; checkpoint dir before {self.checkpoints_before}, "
             f"after {self.checkpoints_after}"
@@ -172,6 +178,7 @@ class Campaign:
     pztrain_dir: Path = ROOT  # the directory holding the pztrain package tested
     trials: list[Trial] = dataclasses.field(default_factory=list)
     reference_ready: float = 0.0  # launch -> ready, seconds
+    ready_times: list[float] = dataclasses.field(default_factory=list)  # all workers
     reference_train: float = 0.0  # ready -> done, seconds
     reference_marks: dict[int, float] = dataclasses.field(default_factory=dict)
     reference_done: float = 0.0  # launch -> done
@@ -251,6 +258,7 @@ class Worker:
         self.events: list[tuple[float, list[str]]] = []
         self.ready = threading.Event()
         self.start_step: int | None = None
+        self.ready_at: float | None = None  # seconds from launch to 'ready'
         self.leftovers = _tmp_entries(self.ckpt_dir)  # from earlier kills
         self.stderr_path = run_dir / f"worker-{number}.stderr"
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -280,7 +288,7 @@ class Worker:
                 continue
             self.events.append((self.elapsed(), words))
             if words[0] == "ready":
-                self.start_step = int(words[1])
+                self.start_step, self.ready_at = int(words[1]), self.elapsed()
                 self.ready.set()
         self.ready.set()  # the process ended (maybe before ready)
 
@@ -371,13 +379,29 @@ def _tmp_step(name: str) -> int:
 # kills
 
 
-def _kill_now(worker: Worker, kill: Kill) -> None:
+def _kill_now(worker: Worker, kill: Kill, saving: str | None = None) -> None:
+    """SIGKILL now. The kill landed during a save if an orbax temporary that this
+    process made (``saving`` first, if given) existed just before the kill and
+    is still there once the process is dead."""
     kill.checkpoints_before = _listing(worker.ckpt_dir)
+    live = {
+        name: ino
+        for name, ino in _tmp_entries(worker.ckpt_dir).items()
+        if worker.leftovers.get(name) != ino
+    }
     kill.where = worker.where()
     kill.at = worker.elapsed()
     worker.kill()
     kill.landed = True
     kill.checkpoints_after = _listing(worker.ckpt_dir)
+    after = _tmp_entries(worker.ckpt_dir)
+    unfinished = [name for name, ino in live.items() if after.get(name) == ino]
+    if saving is not None:
+        kill.saving = saving
+        unfinished = [name for name in unfinished if name == saving]
+    elif unfinished:
+        kill.saving = unfinished[0]
+    kill.during_save = bool(unfinished)
 
 
 def _wait_ready(worker: Worker, trial: Trial) -> bool:
@@ -398,7 +422,7 @@ def _run_kill(
     """Kills ``worker`` as ``kind`` says; the `Kill` says where it landed."""
     kill = Kill(kind)
     if kind == "start":
-        delay = rng.uniform(0.0, campaign.reference_ready)
+        delay = rng.uniform(0.0, float(np.median(campaign.ready_times)))
         if worker.wait(delay) is None:
             _kill_now(worker, kill)
         return kill
@@ -453,9 +477,7 @@ def _kill_in_save(worker, kill, rng, config: WorkerConfig, left: int) -> None:
             seen.append(key)
             if len(seen) <= skip or _inode(worker.ckpt_dir / name) != ino:
                 continue  # skipped, or finished meanwhile
-            _kill_now(worker, kill)
-            kill.saving = name
-            kill.during_save = _inode(worker.ckpt_dir / name) == ino
+            _kill_now(worker, kill, saving=name)
             return
         time.sleep(0.001)
 
@@ -614,26 +636,29 @@ def _compare_records(reference: Path, run: Path) -> list[str]:
 def plan_kills(mode: Mode, seed: int, trials: int | None = None) -> list[list[str]]:
     """The kinds of kill of each trial, from ``seed``: ``mode.kinds`` in a random
     order, or drawn by `KIND_WEIGHTS` with at least ``mode.min_save_kills + 2``
-    save kills (a margin for saves that finish before the kill lands)."""
+    save kills (a margin for saves that finish before the kill lands). An eval
+    kill comes last in its trial: it may land in the final evaluation, after
+    which nothing is left to kill."""
     rng = random.Random(seed)
     if mode.kinds:
-        return [rng.sample(mode.kinds, len(mode.kinds))]
-    kinds, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
-    plan = [
-        rng.choices(kinds, weights, k=rng.choice(mode.kills_per_trial))
-        for _ in range(trials if trials is not None else mode.trials)
-    ]
-    want = mode.min_save_kills + 2
-    slots = [(t, i) for t, kills in enumerate(plan) for i in range(len(kills))]
-    rng.shuffle(slots)
-    have = sum(k == "save" for kills in plan for k in kills)
-    for t, i in slots:
-        if have >= want:
-            break
-        if plan[t][i] != "save":
-            plan[t][i] = "save"
-            have += 1
-    return plan
+        plan = [rng.sample(mode.kinds, len(mode.kinds))]
+    else:
+        kinds, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
+        plan = [
+            rng.choices(kinds, weights, k=rng.choice(mode.kills_per_trial))
+            for _ in range(trials if trials is not None else mode.trials)
+        ]
+        want = mode.min_save_kills + 2
+        slots = [(t, i) for t, kills in enumerate(plan) for i in range(len(kills))]
+        rng.shuffle(slots)
+        have = sum(k == "save" for kills in plan for k in kills)
+        for t, i in slots:
+            if have >= want:
+                break
+            if plan[t][i] != "save":
+                plan[t][i] = "save"
+                have += 1
+    return [sorted(kills, key=lambda kind: kind == "eval") for kills in plan]
 
 
 def _reference(campaign: Campaign, work_dir: Path) -> Path:
@@ -648,6 +673,7 @@ def _reference(campaign: Campaign, work_dir: Path) -> Path:
     ready = [t for t, w in worker.events if w[0] == "ready"]
     done = [t for t, w in worker.events if w[0] == "done"]
     campaign.reference_ready, campaign.reference_train = ready[0], done[0] - ready[0]
+    campaign.ready_times.append(ready[0])
     campaign.reference_done = done[0]
     campaign.reference_marks = {0: ready[0]}  # when step k was reported
     campaign.reference_marks.update(
@@ -690,6 +716,8 @@ def run_trial(campaign: Campaign, reference: Path, trial: Trial) -> Trial:
             if worker.alive():
                 worker.kill()
             worker.finish()
+            if worker.ready_at is not None:
+                campaign.ready_times.append(worker.ready_at)
     if not trial.problems:
         trial.problems += compare_runs(reference, trial.run_dir)
         trial.problems += _diagnose(trial)
