@@ -193,7 +193,8 @@ def _array_key(entry: Any) -> str | None:
         or not isinstance(key[0], dict)
     ):
         return None
-    return key[0].get("key")
+    found = key[0].get("key")
+    return found if isinstance(found, str) else None
 
 
 def _check_array(root: Path, top: Path, directory: Path, a: StoredArray) -> None:

@@ -131,8 +131,12 @@ def test_a_state_array_described_otherwise_is_named_by_its_path(tmp_path):
             ),
             "does not list the 2 plain arrays",
         ),
+        (
+            lambda m: m["tree_metadata"]["('1',)"]["key_metadata"][0].update(key=1),
+            "does not list the 2 plain arrays",
+        ),
     ],
-    ids=["an-array-left-out", "not-an-array", "value-from-elsewhere"],
+    ids=["an-array-left-out", "not-an-array", "value-from-elsewhere", "int-key"],
 )
 def test_orbax_listing_that_differs_from_the_json_is_refused(tmp_path, edit, said):
     ckpt = pztrain.save_params(tmp_path / "p", PARAMS)
@@ -262,6 +266,40 @@ def test_a_truncated_chunk_leaves_stderr_clean(tmp_path):
     assert out.stderr == ""
     assert f"{chunk}, a file of state array .opt_state[0].mu['w'], has 3 bytes" in (
         out.stdout
+    )
+
+
+def test_an_error_orbax_still_raises_is_one_line_without_the_tensorstore_spec(
+    tmp_path, monkeypatch
+):
+    import pztrain._orbax as orbax_settings
+
+    ckpt = pztrain.save_params(tmp_path / "p", PARAMS)
+
+    class Failing:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def restore(self, directory, args):
+            try:
+                raise ValueError('FAILED_PRECONDITION: Error reading local file "f"')
+            except ValueError as e:
+                raise Exception(
+                    "Encountered error while reading array index. See full "
+                    "TensorStore details: <bound method spec of TensorStore({\n"
+                    "'driver': 'zarr'})>"
+                ) from e
+
+    monkeypatch.setattr(orbax_settings, "checkpointer", Failing)
+    with pytest.raises(CheckpointError) as e:
+        pztrain.load_params(ckpt, _like())
+    assert str(e.value) == (
+        f"Checkpoint {ckpt} is incomplete or corrupt and could not be read: "
+        'ValueError: FAILED_PRECONDITION: Error reading local file "f". Load '
+        "another checkpoint."
     )
 
 
