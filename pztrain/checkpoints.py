@@ -403,7 +403,7 @@ class Checkpoints(Callback):
     def on_point_end(self, state, step):
         """Saves if a hook of this point asked: after all of them ran."""
         due, self._due, self._open_point = self._due, None, None
-        if due == step:
+        if due == step and step != self._last_done:
             self.save(state, step, self._metrics_at(step))
 
     def _metrics_at(self, step: int) -> dict[str, float]:

@@ -171,7 +171,8 @@ def _train(state: TrainState, run: _Run) -> TrainState:
                 state, stop = _first(stop, *run.evaluation(state, step, epoch))
                 last_eval = step
             epoch = s.next_epoch(step, epoch) if ended else epoch
-            state, stop = _first(stop, *hooks.run("on_point_end", state, step))
+            if stop is None and not s.done(step, epoch):  # the last point ends below
+                state, stop = _first(stop, *hooks.run("on_point_end", state, step))
         if last_log != step:
             state, stop = _first(stop, *reporter.log(state, sums, step, epoch))
         state, stop = _first(stop, *reporter.flush(state))

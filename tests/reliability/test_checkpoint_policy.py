@@ -156,7 +156,17 @@ class FailingEvalData:
         return iter(DATA)
 
 
-def test_a_crash_during_evaluation_at_a_checkpointed_step_loses_no_record(tmp_path):
+@pytest.mark.parametrize(
+    "num_steps, every, fail_at, kept",
+    [
+        (12, 4, 2, [4]),  # the evaluation at step 8, inside the loop
+        (10, 2, 3, [6, 8]),  # the final one, at step 10, after the loop
+    ],
+    ids=["eval-inside-the-run", "final-eval"],
+)
+def test_a_crash_during_evaluation_at_a_checkpointed_step_loses_no_record(
+    tmp_path, num_steps, every, fail_at, kept
+):
     loader = pztrain.ArrayLoader({"x": np.arange(24.0).reshape(8, 3) / 24}, 4)
 
     def run(run_dir, ckpt_dir, fail_at, resume=False):
@@ -165,8 +175,8 @@ def test_a_crash_during_evaluation_at_a_checkpointed_step_loses_no_record(tmp_pa
             STEP,
             loader,
             progress=False,
-            checkpoints=pztrain.Checkpoints(ckpt_dir, every_steps=4),
-            num_steps=12,
+            checkpoints=pztrain.Checkpoints(ckpt_dir, every_steps=every),
+            num_steps=num_steps,
             log_every=2,
             eval_every=4,
             eval_step=EVAL,
@@ -177,8 +187,8 @@ def test_a_crash_during_evaluation_at_a_checkpointed_step_loses_no_record(tmp_pa
 
     whole, _ = run(tmp_path / "whole", tmp_path / "whole_c", None)
     with pytest.raises(RuntimeError, match="evaluation crashed"):
-        run(tmp_path / "run", tmp_path / "c", fail_at=2)  # the eval at step 8
-    assert pztrain.Checkpoints(tmp_path / "c").steps() == [4]
+        run(tmp_path / "run", tmp_path / "c", fail_at)
+    assert pztrain.Checkpoints(tmp_path / "c").steps() == kept
     resumed, _ = run(tmp_path / "run", tmp_path / "c", None, resume=True)
     assert _without_time(read_jsonl(tmp_path / "run")) == _without_time(
         read_jsonl(tmp_path / "whole")
