@@ -1,18 +1,19 @@
 """The randomized SIGKILL campaign of issue 11, reduced size (CI).
 
 One trial in a fresh run directory: a real training process (``kill_worker.py``) is
-killed with SIGKILL three times (once while an asynchronous checkpoint save is in
-progress, once during an evaluation at a step whose checkpoint is complete, once at
-a random moment of the run, in a seeded random order), resumed each time, and must
-end bitwise equal to an uninterrupted run, with exactly its log records. The full
+killed with SIGKILL three times (while an asynchronous checkpoint save is in progress
+and at a random point of a random step, in a seeded order, then during an evaluation
+at a checkpointed step, as soon as that checkpoint is complete if it completes
+during the evaluation), resumed each time, and must end bitwise equal to an
+uninterrupted run, with exactly its log records. The full
 campaign (20 trials, >= 20 kills, >= 5 during saves) is
 ``python tests/reliability/kill_campaign.py --full``. ``PZTRAIN_KILL_SEED`` sets the
 seed (default 11).
 
-The eval kill makes this test fail on the code it was written against (c7c2e1d): a
-run killed during the evaluation at a step whose checkpoint is complete resumes at
-that step and never writes that step's eval record. The test asserts the correct
-behaviour.
+The eval kill is what found the last lost eval record: the final evaluation of a run
+whose last step is no multiple of ``eval_every`` (here 40 steps, ``eval_every=6``)
+came after that step's checkpoint, so a run killed during it resumed at the last
+step and never wrote its eval record (fails on db12ad7, passes since 3b899f2).
 """
 
 from __future__ import annotations
