@@ -1,9 +1,9 @@
-"""What a load checks before it trusts a checkpoint's array files, and after.
+"""Reading a checkpoint's array files without trusting them.
 
 An array item (``params``, ``state``) is a directory of orbax's zarr arrays, one
 sub-directory per array (``params/0/.zarray`` and its chunk files ``0``,
-``0.0``, …) with orbax's list of them in ``_METADATA``. Before orbax reads any
-data, `check_files` makes sure that:
+``0.0``, …) with orbax's list of them in ``_METADATA``. Before any data is
+read, `check_files` makes sure that:
 
 * ``_METADATA`` lists exactly the arrays of the JSON, each as a plain array, and
   no orbax aggregate file (``checkpoint``, msgpack) is there to supply values;
@@ -12,11 +12,14 @@ data, `check_files` makes sure that:
 * every chunk file exists inside the checkpoint (not through a link out of
   it) with exactly the bytes the chunk needs.
 
-After the read, `verify` compares each array with the checksum stored at save
-(`checksum`: xxh3-64 of the array's C-ordered bytes, the JSON's ``"xxh3_64"``
-lists). Checkpoints saved before checksums existed have none and are not
-verified. Every failure here is a `CheckpointError` (the files are damaged or
-were changed), never a `CheckpointMismatchError`.
+An array bound for the host or one device is then read here (`read`), straight
+from the chunk files just checked, which is faster than orbax's read; others
+(sharded over several devices or processes) are left to orbax. Each array is
+compared with the checksum stored at save (`checksum`: xxh3-64 of the array's
+C-ordered bytes, the JSON's ``"xxh3_64"`` lists) before it is placed, or, when
+orbax read it, by `verify`. Checkpoints saved before checksums existed have none
+and are not verified. Every failure here is a `CheckpointError` (the files are
+damaged or were changed), never a `CheckpointMismatchError`.
 """
 
 from __future__ import annotations
@@ -38,18 +41,22 @@ from pztrain._meta import CHECKSUM, CheckpointError
 from pztrain._tree import describe_shape, is_array
 
 __all__ = [
+    "Layout",
     "StoredArray",
     "as_written",
     "check_files",
     "checksum",
     "checksums",
+    "read",
+    "reads_directly",
     "verify",
 ]
 
 _AGGREGATE_FILE = "checkpoint"  # orbax's msgpack of values; pztrain never writes it
 _ARRAY_TYPES = ("jax.Array", "np.ndarray")
 _LOAD_ANOTHER = "Load another checkpoint (resuming skips this one)."
-_PARALLEL_BYTES = 64 * 2**20  # above this, arrays are hashed on several threads
+_ALIGN = 64  # bytes
+_PARALLEL_BYTES = 64 * 2**20  # above this, arrays are read and hashed on threads
 
 
 class StoredArray(NamedTuple):
@@ -60,12 +67,41 @@ class StoredArray(NamedTuple):
       key: Its key in the item (``"0"``, ``"1"``, …), its sub-directory's name.
       target: Its shape and dtype (and sharding) once restored.
       checksum: The checksum stored at save, or ``None`` (not verified).
+      key_impl: For a PRNG key array, its implementation (`jax.random.key_impl`).
     """
 
     label: str
     key: str
     target: jax.ShapeDtypeStruct
     checksum: str | None
+    key_impl: Any = None
+
+    @classmethod
+    def like(cls, label: str, key: str, x: Any, checksum: str | None) -> StoredArray:
+        """An array restored into the place and type of ``x`` (the host for a
+        NumPy array; a PRNG key array of its implementation)."""
+        sharding = x.sharding if isinstance(x, jax.Array) else None
+        target = jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+        is_key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        return cls(
+            label, key, target, checksum, jax.random.key_impl(x) if is_key else None
+        )
+
+
+class Layout(NamedTuple):
+    """An array's checked files: as written (key data for a PRNG key array).
+
+    Attributes:
+      shape: The array's shape as written.
+      dtype: Its dtype as written.
+      chunks: The shape of a chunk.
+      files: Each chunk's grid index and file (links resolved).
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunks: tuple[int, ...]
+    files: list[tuple[tuple[int, ...], Path]]
 
 
 # ----------------------------------------------------------------------------
@@ -95,14 +131,19 @@ def checksum(x: Any) -> str | None:
 
 
 def checksums(arrays: Sequence[Any]) -> list[str | None]:
-    """`checksum` of each array; on several threads (xxhash releases the GIL)
-    when there are enough bytes for it to pay."""
-    total = sum(np.size(x) * np.dtype(_host_dtype(x)).itemsize for x in arrays)
-    threads = min(len(arrays), os.cpu_count() or 1, 8)
-    if total < _PARALLEL_BYTES or threads < 2:
-        return [checksum(x) for x in arrays]
-    with ThreadPoolExecutor(threads, thread_name_prefix="pztrain-checksum") as pool:
-        return list(pool.map(checksum, arrays))
+    """`checksum` of each array (on several threads for many bytes)."""
+    nbytes = sum(np.size(x) * np.dtype(_host_dtype(x)).itemsize for x in arrays)
+    return _map(checksum, arrays, nbytes)
+
+
+def _map(fn: Any, items: Sequence[Any], nbytes: int) -> list[Any]:
+    """``fn`` over ``items``, on several threads when there are enough bytes
+    for it to pay (xxhash and file reads release the GIL)."""
+    threads = min(len(items), os.cpu_count() or 1, 8)
+    if nbytes < _PARALLEL_BYTES or threads < 2:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(threads, thread_name_prefix="pztrain-checkpoint") as pool:
+        return list(pool.map(fn, items))
 
 
 def _host_dtype(x: Any) -> Any:
@@ -123,22 +164,115 @@ def verify(root: Path, item: str, arrays: list[StoredArray], restored: dict) -> 
             where = f"{a.label} ({root / item / a.key})"
             raise _corrupt(root, f"{where} was read as {got}, not {want}")
     checked = [a for a in arrays if a.checksum is not None]
-    read = checksums([restored[a.key] for a in checked])
-    for a, found in zip(checked, read, strict=True):
-        if found is not None and found != a.checksum:
-            where = f"{a.label} ({root / item / a.key})"
-            raise _corrupt(
-                root,
-                f"{where} does not match the checksum stored when it was saved "
-                f"({CHECKSUM} {a.checksum}, read {found}): its bytes changed on disk",
-            )
+    found = checksums([restored[a.key] for a in checked])
+    for a, got in zip(checked, found, strict=True):
+        _check_sum(root, item, a, got)
+
+
+def _check_sum(root: Path, item: str, a: StoredArray, found: str | None) -> None:
+    if a.checksum is not None and found is not None and found != a.checksum:
+        raise _corrupt(
+            root,
+            f"{a.label} ({root / item / a.key}) does not match the checksum stored "
+            f"when it was saved ({CHECKSUM} {a.checksum}, read {found}): its bytes "
+            "changed on disk",
+        )
+
+
+# ----------------------------------------------------------------------------
+# reading
+
+
+def reads_directly(target: jax.ShapeDtypeStruct) -> bool:
+    """Whether `read` places the array: on the host or on one device here."""
+    sharding = target.sharding
+    return sharding is None or (
+        isinstance(sharding, jax.sharding.SingleDeviceSharding)
+        and sharding.is_fully_addressable
+    )
+
+
+def read(
+    root: Path, item: str, arrays: list[StoredArray], layouts: dict[str, Layout]
+) -> dict[str, Any]:
+    """Reads arrays from their checked files, verifies them and places them.
+
+    Args:
+      root: The checkpoint directory.
+      item: ``"params"`` or ``"state"``.
+      arrays: Arrays whose targets `reads_directly`.
+      layouts: Their files, from `check_files`.
+
+    Returns:
+      Each array by key: NumPy for a host target, else a JAX array.
+
+    Raises:
+      CheckpointError: naming the array, if its bytes fail their checksum or a
+        file changed while it was read.
+    """
+
+    def one(a: StoredArray) -> Any:
+        host = _assemble(root, a, layouts[a.key])
+        _check_sum(root, item, a, checksum(host))
+        return _place(host, a)
+
+    nbytes = sum(math.prod(layouts[a.key].shape) for a in arrays)
+    return dict(zip([a.key for a in arrays], _map(one, arrays, nbytes), strict=True))
+
+
+def _assemble(root: Path, a: StoredArray, layout: Layout) -> np.ndarray:
+    """The array as written, from its chunk files (one read per chunk)."""
+    out = _aligned_empty(layout.shape, layout.dtype)
+    if layout.chunks == layout.shape:  # one chunk: read straight into the array
+        _read_into(root, a, layout.files[0][1], out)
+        return out
+    block = np.empty(layout.chunks, layout.dtype)
+    for index, file in layout.files:
+        _read_into(root, a, file, block)
+        where = tuple(
+            slice(i * c, min((i + 1) * c, n))
+            for i, c, n in zip(index, layout.chunks, layout.shape, strict=True)
+        )
+        out[where] = block[tuple(slice(0, s.stop - s.start) for s in where)]
+    return out
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized array at a 64-byte boundary, which JAX on the CPU takes
+    over without a copy."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buffer = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -buffer.ctypes.data % _ALIGN
+    return buffer[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def _read_into(root: Path, a: StoredArray, file: Path, out: np.ndarray) -> None:
+    try:
+        with open(file, "rb") as f:
+            found = f.readinto(out.reshape(-1).view(np.uint8))
+    except OSError as e:
+        raise _corrupt(root, f"cannot read {file}, a file of {a.label} ({e})") from None
+    if found != out.nbytes:
+        raise _corrupt(root, f"{file}, a file of {a.label}, changed while read")
+
+
+def _place(host: np.ndarray, a: StoredArray) -> Any:
+    """The array where its target is: the host, or one device."""
+    if a.target.sharding is None:
+        return host
+    placed = jax.device_put(host, a.target.sharding)
+    if a.key_impl is not None:
+        return jax.random.wrap_key_data(placed, impl=a.key_impl)
+    return placed
 
 
 # ----------------------------------------------------------------------------
 # files
 
 
-def check_files(root: Path, item: str, arrays: list[StoredArray], count: int) -> None:
+def check_files(
+    root: Path, item: str, arrays: list[StoredArray], count: int
+) -> dict[str, Layout]:
     """Checks an item's files before any array data is read.
 
     Args:
@@ -147,14 +281,16 @@ def check_files(root: Path, item: str, arrays: list[StoredArray], count: int) ->
       arrays: The arrays about to be read.
       count: How many arrays the JSON says the item holds.
 
+    Returns:
+      Each array's `Layout`, by key.
+
     Raises:
       CheckpointError: naming the file (and the array) that is not what pztrain
         wrote.
     """
     _check_listing(root, root / item, count)
     top = root.resolve()
-    for a in arrays:
-        _check_array(root, top, root / item / a.key, a)
+    return {a.key: _check_array(root, top, root / item / a.key, a) for a in arrays}
 
 
 def _check_listing(root: Path, directory: Path, count: int) -> None:
@@ -197,7 +333,7 @@ def _array_key(entry: Any) -> str | None:
     return found if isinstance(found, str) else None
 
 
-def _check_array(root: Path, top: Path, directory: Path, a: StoredArray) -> None:
+def _check_array(root: Path, top: Path, directory: Path, a: StoredArray) -> Layout:
     """The array's ``.zarray`` and chunk files are what its save wrote."""
     written = as_written(a.target)
     shape, dtype = tuple(written.shape), np.dtype(written.dtype)
@@ -230,10 +366,12 @@ def _check_array(root: Path, top: Path, directory: Path, a: StoredArray) -> None
         )
     size = math.prod(chunks) * dtype.itemsize
     grid = [range(math.ceil(n / c)) for n, c in zip(shape, chunks, strict=True)]
+    files = []
     for index in itertools.product(*grid):
         chunk = directory / (".".join(map(str, index)) or "0")
+        real = _inside(root, top, chunk, a)
         try:
-            found = _inside(root, top, chunk, a).stat().st_size
+            found = real.stat().st_size
         except OSError:
             raise _corrupt(root, f"{chunk}, a file of {a.label}, is missing") from None
         if found != size:
@@ -242,6 +380,8 @@ def _check_array(root: Path, top: Path, directory: Path, a: StoredArray) -> None
                 f"{chunk}, a file of {a.label}, has {found} bytes, not the {size} of "
                 "its chunk",
             )
+        files.append((index, real))
+    return Layout(shape, dtype, tuple(chunks), files)
 
 
 def _inside(root: Path, top: Path, file: Path, a: StoredArray) -> Path:

@@ -327,15 +327,9 @@ def _stored_state(
 ) -> list[StoredArray]:
     sums = meta["state"].get(CHECKSUM) or [None] * len(like_arrays)
     return [
-        StoredArray(f"state array {p}", str(i), _like(x), checksum)
+        StoredArray.like(f"state array {p}", str(i), x, checksum)
         for i, ((p, x), checksum) in enumerate(zip(like_arrays, sums, strict=True))
     ]
-
-
-def _like(x: Any) -> jax.ShapeDtypeStruct:
-    """Where a state array goes: ``x`` 's place (the host for a NumPy array)."""
-    sharding = x.sharding if isinstance(x, jax.Array) else None
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 
 def _abstract(shape: list[int], dtype: str) -> jax.ShapeDtypeStruct:
@@ -350,23 +344,30 @@ def _abstract(shape: list[int], dtype: str) -> jax.ShapeDtypeStruct:
 
 def _read(
     path: Path, meta: dict[str, Any], **items: list[StoredArray]
-) -> dict[str, Any]:
-    """Checks the files of ``items``, restores them, and verifies what was read."""
+) -> dict[str, dict[str, Any]]:
+    """Checks the files of ``items`` and reads them, verified: directly for
+    the host or one device, through orbax for arrays sharded over several."""
     counts = {"params": len(meta["params"]["names"])}
     counts["state"] = len(meta.get("state", {}).get("paths", []))
-    for item, arrays in items.items():
-        _integrity.check_files(path, item, arrays, counts[item])
-    targets = {
-        item: (
-            {a.key: _integrity.as_written(a.target) for a in arrays},
-            len(arrays) < counts[item],
-        )
+    layouts = {
+        item: _integrity.check_files(path, item, arrays, counts[item])
         for item, arrays in items.items()
     }
-    restored = _restore(path, **targets)
+    out, sharded = {}, {}
     for item, arrays in items.items():
+        direct = [a for a in arrays if _integrity.reads_directly(a.target)]
+        out[item] = _integrity.read(path, item, direct, layouts[item])
+        if len(direct) < len(arrays):
+            sharded[item] = [a for a in arrays if a.key not in out[item]]
+    targets = {
+        item: ({a.key: _integrity.as_written(a.target) for a in arrays}, True)
+        for item, arrays in sharded.items()
+    }
+    restored = _restore(path, **targets) if targets else {}
+    for item, arrays in sharded.items():
         _integrity.verify(path, item, arrays, restored[item])
-    return restored
+        out[item].update(restored[item])
+    return out
 
 
 def _restore(path: Path, **items: tuple[dict[str, Any], bool]) -> dict[str, Any]:

@@ -269,34 +269,85 @@ def test_a_truncated_chunk_leaves_stderr_clean(tmp_path):
     )
 
 
-def test_an_error_orbax_still_raises_is_one_line_without_the_tensorstore_spec(
-    tmp_path, monkeypatch
-):
-    import pztrain._orbax as orbax_settings
+SHARDED = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np, optax, pztrain
+import pztrain._orbax as orbax_settings
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-    ckpt = pztrain.save_params(tmp_path / "p", PARAMS)
+root = sys.argv[1]
+mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+def state(scale):
+    params = {
+        "a": jax.device_put(scale * jnp.arange(8.0), NamedSharding(mesh, P("d"))),
+        "b": jax.device_put(
+            scale * jnp.arange(12.0).reshape(3, 4), NamedSharding(mesh, P(None, "d"))
+        ),
+    }
+    return pztrain.TrainState.initial_state(params, optax.adam(0.1), jax.random.key(1))
+def loss(*, model, state, rng):
+    return jnp.sum(model["a"]) + jnp.sum(model["b"] ** 2), state, {}
+saved, _ = pztrain.build_train_step(loss)(state(1.0))
+ckpt = pztrain.save_state(root + "/s", saved)
+back = pztrain.load_state(ckpt, state(0.0))
+out = {"equal": all(
+    np.array_equal(x, y) for x, y in
+    zip(jax.tree.leaves(back.opt_state), jax.tree.leaves(saved.opt_state))
+) and all(np.array_equal(back.params[k], saved.params[k]) for k in "ab")}
+out["mu_sharding"] = str(back.opt_state[0].mu["b"].sharding.spec)
+paths = pztrain.read_metadata(ckpt)["state"]["paths"]
+mu = ckpt / "state" / str(paths.index(".opt_state[0].mu['b']"))
+chunk = mu / "0.1"
+data = bytearray(chunk.read_bytes()); data[2] ^= 1; chunk.write_bytes(bytes(data))
+for name in ("flip", "orbax"):
+    if name == "orbax":
+        class Failing:
+            def __enter__(self): return self
+            def __exit__(self, *exc): return False
+            def restore(self, directory, args):
+                cause = 'FAILED_PRECONDITION: Error reading local file "f"'
+                try:
+                    raise ValueError(cause)
+                except ValueError as e:
+                    raise Exception(
+                        "Encountered error while reading array index. See full "
+                        "TensorStore details: <bound method spec of TensorStore({\\n"
+                        "'driver': 'zarr'})>"
+                    ) from e
+        orbax_settings.checkpointer = Failing
+    try:
+        pztrain.load_state(ckpt, state(0.0))
+    except pztrain.CheckpointError as e:
+        out[name] = str(e)
+print(json.dumps(out))
+"""
 
-    class Failing:
-        def __enter__(self):
-            return self
 
-        def __exit__(self, *exc):
-            return False
-
-        def restore(self, directory, args):
-            try:
-                raise ValueError('FAILED_PRECONDITION: Error reading local file "f"')
-            except ValueError as e:
-                raise Exception(
-                    "Encountered error while reading array index. See full "
-                    "TensorStore details: <bound method spec of TensorStore({\n"
-                    "'driver': 'zarr'})>"
-                ) from e
-
-    monkeypatch.setattr(orbax_settings, "checkpointer", Failing)
-    with pytest.raises(CheckpointError) as e:
-        pztrain.load_params(ckpt, _like())
-    assert str(e.value) == (
+def test_arrays_sharded_over_devices_are_read_by_orbax_and_verified(tmp_path):
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", SHARDED, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    out = json.loads(run.stdout)
+    assert out["equal"] and out["mu_sharding"] == "P(None, 'd')"
+    ckpt = tmp_path / "s"
+    assert re.fullmatch(
+        _corrupt(
+            ckpt, "state array .opt_state[0].mu['b'] (", ") does not match the checksum"
+        )
+        + ".*",
+        out["flip"],
+    ), out["flip"]
+    assert out["orbax"] == (
         f"Checkpoint {ckpt} is incomplete or corrupt and could not be read: "
         'ValueError: FAILED_PRECONDITION: Error reading local file "f". Load '
         "another checkpoint."
