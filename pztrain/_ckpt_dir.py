@@ -58,10 +58,15 @@ def remove_temporaries(directory: Path, step: int | None) -> None:
 
 
 def set_aside(directory: Path, steps: list[int]) -> None:
-    """Renames checkpoints ``<step>`` to ``<step>.unreadable`` (kept to inspect)."""
+    """Renames checkpoints ``<step>`` to ``<step>.unreadable`` (kept to inspect;
+    ``<step>.unreadable-2`` … if an earlier resume set one aside already)."""
     for step in steps:
         path = directory / str(step)
-        path.rename(path.with_name(f"{step}.unreadable"))
+        aside, n = path.with_name(f"{step}.unreadable"), 1
+        while aside.exists():
+            n += 1
+            aside = path.with_name(f"{step}.unreadable-{n}")
+        path.rename(aside)
 
 
 def read(path: Path, like: TrainState) -> tuple[TrainState, dict[str, Any]] | None:

@@ -138,6 +138,17 @@ def test_resume_sets_unreadable_newer_checkpoints_aside_and_saves_again(tmp_path
     assert int(state.step) == 6
     assert ckpt.steps() == [2, 4, 6]  # 4 saved again, from the resumed run
     assert (tmp_path / "4.unreadable").is_dir()
+    (tmp_path / "4" / "meta" / "metadata").write_text("[]")  # again: a new name
+    (tmp_path / "6" / "meta" / "metadata").write_text("[]")
+    with pytest.warns(UserWarning) as warned:
+        state, _ = train(new_state(), ckpt, num_steps=6, log_every=2, resume=True)
+    assert [str(w.message).split(":")[0][-2:] for w in warned] == ["/6", "/4"]
+    assert int(state.step) == 6  # from 2
+    assert sorted(p.name for p in tmp_path.glob("*.unreadable*")) == [
+        "4.unreadable",
+        "4.unreadable-2",
+        "6.unreadable",
+    ]
 
 
 # ------------------------------------------ a crash inside a host point
