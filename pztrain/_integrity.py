@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import mmap
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +57,7 @@ _AGGREGATE_FILE = "checkpoint"  # orbax's msgpack of values; pztrain never write
 _ARRAY_TYPES = ("jax.Array", "np.ndarray")
 _LOAD_ANOTHER = "Load another checkpoint (resuming skips this one)."
 _ALIGN = 64  # bytes
+_POPULATE_BYTES = 2**20
 _PARALLEL_BYTES = 64 * 2**20  # above this, arrays are read and hashed on threads
 
 
@@ -239,8 +241,15 @@ def _assemble(root: Path, a: StoredArray, layout: Layout) -> np.ndarray:
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialized array at a 64-byte boundary, which JAX on the CPU takes
-    over without a copy."""
+    over without a copy. A large one gets its pages mapped in one call
+    (``MAP_POPULATE``, Linux): touching fresh pages one at a time cost more than
+    reading the file where memory was tight."""
     nbytes = math.prod(shape) * dtype.itemsize
+    populate = getattr(mmap, "MAP_POPULATE", None)
+    if populate is not None and nbytes >= _POPULATE_BYTES:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate
+        pages = mmap.mmap(-1, nbytes, flags=flags)
+        return np.frombuffer(pages, np.uint8).view(dtype).reshape(shape)
     buffer = np.empty(nbytes + _ALIGN, np.uint8)
     start = -buffer.ctypes.data % _ALIGN
     return buffer[start : start + nbytes].view(dtype).reshape(shape)

@@ -413,6 +413,26 @@ def test_checksums_on_several_threads_match_and_catch_a_flip(tmp_path, monkeypat
         pztrain.load_params(threaded, params)
 
 
+def test_a_large_array_read_from_its_file_trains_like_the_saved_one(tmp_path):
+    import gc
+
+    big = {"w": jnp.linspace(-1.0, 1.0, 3 * 2**18)}  # 3 MiB: on mapped pages
+    state = TrainState.initial_state(big, optax.adam(0.1), jax.random.key(0))
+    ckpt = pztrain.save_state(tmp_path / "s", state)
+    back = pztrain.load_state(ckpt, state)
+    gc.collect()
+    step = pztrain.build_train_step(
+        lambda *, model, state, rng: (jnp.sum(model["w"] ** 2), state, {})
+    )
+    want, _ = step(state)
+    got, _ = step(back)  # donates the arrays read from the file
+    np.testing.assert_array_equal(got.params["w"], want.params["w"])
+    np.testing.assert_array_equal(got.opt_state[0].mu["w"], want.opt_state[0].mu["w"])
+    _flip_a_bit(_chunk(ckpt / "params" / "0"), at=2**20 + 3)
+    with pytest.raises(CheckpointError, match=re.escape("parameter 'w' (")):
+        pztrain.load_params(ckpt, big)
+
+
 def test_a_checkpoint_saved_before_checksums_still_loads(tmp_path):
     ckpt = pztrain.save_state(tmp_path / "s", _state())
 
