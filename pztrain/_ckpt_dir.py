@@ -18,7 +18,15 @@ from pztrain import checkpoint
 from pztrain._meta import CheckpointError, CheckpointMismatchError
 from pztrain.state import TrainState
 
-__all__ = ["check_writable", "read", "remove_temporaries", "set_aside", "temporaries"]
+__all__ = [
+    "check_writable",
+    "failed_save",
+    "read",
+    "refuse_used",
+    "remove_temporaries",
+    "set_aside",
+    "temporaries",
+]
 
 
 def check_writable(directory: Path) -> None:
@@ -85,3 +93,24 @@ def read(path: Path, like: TrainState) -> tuple[TrainState, dict[str, Any]] | No
         warnings.warn(f"Skipping unreadable checkpoint {path}: {e}", stacklevel=4)
         return None
     return state, meta.get("metadata", {}).get("callbacks", {})
+
+
+def refuse_used(directory: Path, steps: list[int]) -> None:
+    """Refuses a fresh run into ``directory`` if it holds checkpoints ``steps``."""
+    if steps:
+        raise CheckpointError(
+            f"{directory} already holds checkpoints {steps} of another run. Pass "
+            "resume=True to fit to continue it, choose a new directory, or pass "
+            "Checkpoints(..., overwrite=True) to delete them."
+        )
+
+
+def failed_save(directory: Path, step: int | None, error: Exception) -> CheckpointError:
+    """The error of a failed save of ``step``, after removing its temporaries."""
+    remove_temporaries(directory, step)
+    return CheckpointError(
+        f"Saving checkpoint {step} in {directory} failed: {type(error).__name__}: "
+        f"{str(error)[:300]}. Its temporary files were removed; the earlier "
+        "checkpoints are intact. Free disk space or choose another directory, then "
+        "continue with fit(..., resume=True)."
+    )

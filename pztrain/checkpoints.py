@@ -40,10 +40,8 @@ class Checkpoints(Callback):
     KeyboardInterrupt included; outside them, `save` returns once the
     checkpoint is on disk, so a program that ends right after it loses nothing.
 
-    A step's checkpoint is written once everything at that step ran (log,
-    evaluation, callbacks); nothing is dropped silently (a used directory, an
-    existing step, a failed background save are errors); params that are not
-    finite are never saved. README's checkpoint section lists the guarantees.
+    What it guarantees (no record lost on resume, nothing dropped silently, no
+    NaN saved) is listed in README's checkpoint section.
 
     Args:
       directory: The root directory; each checkpoint is ``<directory>/<step>``.
@@ -86,17 +84,21 @@ class Checkpoints(Callback):
         self.overwrite = overwrite
         self._manager = None
         self._open = 0  # nesting depth of with-blocks (fit opens one)
+        self._saving: int | None = None  # a background save not yet confirmed
+        self._failed: checkpoint.CheckpointError | None = None
+        self._new_run()
+
+    def _new_run(self) -> None:
+        """Forgets what the previous run told it (`prepare` starts a run)."""
         self._callbacks: tuple[Callback, ...] = ()
-        self._last_done: int | None = None  # the last step saved (or refused)
-        self._due: int | None = None  # the step this host point should save
+        # Steps: the last saved (or refused), the one this host point should
+        # save, the latest train record's, the host point whose hooks run.
+        self._last_done = self._due = self._last_log = self._open_point = None
         self._eval: tuple[int, dict[str, float]] | None = None  # (step, metrics)
         self._latest_metrics: dict[str, float] = {}
         self._hparams: dict[str, Any] = {}
-        self._saving: int | None = None  # a background save not yet confirmed
-        self._open_point: int | None = None  # a host point whose hooks are running
         self._stale: list[int] = []  # another run's steps, deleted at the start
-        self._failed: checkpoint.CheckpointError | None = None
-        self._ranked = False  # whether a save had the monitored metric
+        self._saves = self._ranked = 0  # saves this run, and those with monitor
         self._running = False  # between on_train_start and on_train_end
 
     # -- the orbax manager
@@ -175,7 +177,7 @@ class Checkpoints(Callback):
         args = checkpoint.save_args(state.params, state, self._metadata(state, metrics))
         ranked = metrics is not None and self.monitor in metrics
         best = {self.monitor: metrics[self.monitor]} if ranked else None
-        self._ranked = self._ranked or ranked
+        self._saves, self._ranked = self._saves + 1, self._ranked + ranked
         try:
             self.manager.save(step, args=args, metrics=best, force=True)
         except Exception as e:  # orbax raises many kinds; name the step
@@ -193,7 +195,14 @@ class Checkpoints(Callback):
 
     def _make_room(self, step: int) -> None:
         """Refuses (or, with ``overwrite``, deletes) an existing checkpoint ``step``."""
-        if step not in self.manager.all_steps():
+        steps = self.manager.all_steps()
+        newest = max(steps, default=step)
+        if step < newest:  # keep-last would delete the newest steps
+            raise checkpoint.CheckpointError(
+                f"Checkpoint {step} is older than the newest, {newest}, in "
+                f"{self.directory}; save steps in order (or use another directory)."
+            )
+        if step not in steps:
             return
         if not self.overwrite:
             raise checkpoint.CheckpointError(
@@ -227,8 +236,7 @@ class Checkpoints(Callback):
         self._saving = None
 
     def close(self) -> None:
-        """Finishes pending saves and releases the manager (used again later,
-        it makes a new one). The manager is released even if a save failed."""
+        """Finishes pending saves and releases the manager (even if one failed)."""
         manager = self._manager
         if manager is None:
             return
@@ -241,22 +249,13 @@ class Checkpoints(Callback):
 
     def _confirm_saves(self) -> None:
         """Raises the error of a background save that has finished and failed."""
-        if self._failed is not None:
-            raise self._failed
         if self._saving is not None and not self.manager.is_saving_in_progress():
             self.wait()
 
     def _save_failed(self, step: int | None, error: Exception) -> Exception:
-        """The error of a failed save (kept: later saves raise it too), after
-        removing the temporary files it left."""
-        _ckpt_dir.remove_temporaries(self.directory, step)
+        """The error of a failed save (kept: later saves raise it too)."""
         self._saving = None
-        self._failed = checkpoint.CheckpointError(
-            f"Saving checkpoint {step} in {self.directory} failed: "
-            f"{type(error).__name__}: {str(error)[:300]}. Its temporary files were "
-            "removed; the earlier checkpoints are intact. Free disk space or choose "
-            "another directory, then continue with fit(..., resume=True)."
-        )
+        self._failed = _ckpt_dir.failed_save(self.directory, step, error)
         return self._failed
 
     # -- the start of a run
@@ -264,29 +263,26 @@ class Checkpoints(Callback):
     def prepare(
         self, state: TrainState, callbacks: Sequence[Callback] = (), *, resume: bool
     ) -> TrainState:
-        """Readies the directory for a run from ``state``; `pztrain.fit` calls it.
+        """Starts a run from ``state`` (`pztrain.fit` calls it before the first step).
 
-        Checks that the directory can be written (before the first step, not one
-        save late). With ``resume``, returns the newest readable checkpoint
-        restored into ``state`` (see `restore_latest`), or ``state`` if there is
-        none. Without, the directory must hold no checkpoint: another run's
-        would be mixed with this one's (``overwrite=True`` deletes them).
+        Checks that the directory can be written. With ``resume``, returns
+        `restore_latest` (or ``state``); without, the directory must hold no
+        checkpoint (``overwrite=True`` deletes them when training starts).
 
         Raises:
-          CheckpointError: if the directory cannot be written, holds checkpoints
-            a fresh run would mix with its own, or holds a checkpoint of
-            another structure (`pztrain.CheckpointMismatchError`).
+          CheckpointError: if the directory cannot be written or holds another
+            run's checkpoints; `pztrain.CheckpointMismatchError` (see
+            `restore_latest`).
         """
+        self._failed = None
+        self.wait()  # a save still pending from a run before (raises its error)
+        self._new_run()
         _ckpt_dir.check_writable(self.directory)
         if resume:
             return self.restore_latest(state, callbacks) or state
         steps = self.steps()
-        if steps and not self.overwrite:
-            raise checkpoint.CheckpointError(
-                f"{self.directory} already holds checkpoints {steps} of another run. "
-                "Pass resume=True to fit to continue it, choose a new directory, "
-                "or pass Checkpoints(..., overwrite=True) to delete them."
-            )
+        if not self.overwrite:
+            _ckpt_dir.refuse_used(self.directory, steps)
         self._stale = steps  # deleted when training starts (nothing failed before)
         return state
 
@@ -312,9 +308,8 @@ class Checkpoints(Callback):
           The restored state, or ``None`` if there is no readable checkpoint.
 
         Raises:
-          CheckpointMismatchError: if the newest readable checkpoint's names,
-            shapes or dtypes differ from ``like`` 's (another model or
-            optimizer); the message names them.
+          CheckpointMismatchError: if a readable checkpoint's structure differs
+            from ``like`` 's (another model or optimizer), naming the paths.
         """
         if not self.directory.exists():
             return None
@@ -353,7 +348,7 @@ class Checkpoints(Callback):
                 "eval_data to fit, or monitor a train metric."
             )
         self._hparams = jsonable(dict(info.hparams))
-        self._running, self._ranked = True, False
+        self._running = True
         self._callbacks = tuple(info.callbacks)
         if self._last_done is None:
             self._last_done = info.start_step
@@ -376,7 +371,7 @@ class Checkpoints(Callback):
         return every is not None and last is not None and step - last >= every
 
     def on_log(self, state, record):
-        self._open_point = record["step"]
+        self._open_point = self._last_log = record["step"]
         self._latest_metrics.update(record["metrics"])
         if self._periodic(record["step"]):
             self._due = record["step"]
@@ -384,7 +379,11 @@ class Checkpoints(Callback):
     def on_eval_end(self, state, record):
         metrics = {f"eval/{k}": v for k, v in record["metrics"].items()}
         metrics.update(self._latest_metrics)
-        if self.keep_best and self.monitor not in metrics:
+        if (
+            self.keep_best
+            and self.monitor.startswith("eval/")
+            and (self.monitor not in metrics)
+        ):
             raise KeyError(
                 f"Checkpoints monitors {self.monitor!r}, which is not among the "
                 f"metrics {sorted(metrics)}."
@@ -414,9 +413,11 @@ class Checkpoints(Callback):
         return dict(self._latest_metrics)
 
     def on_train_end(self, state, history):
-        """Saves the final state (also after an exception), unless it was
-        consumed, a save failed, the run did not start, or it ended inside the
-        host point of its step (resuming would skip the rest of that point)."""
+        """Saves the final state (also after an exception) if its step's train
+        record is logged and its host point over: an interruption between log
+        points or inside a point resumes from the newest checkpoint instead (so
+        the resumed log equals an uninterrupted one). Nothing is saved if the
+        state was consumed, a save failed or the run did not start."""
         running, self._running = self._running, False
         if self._failed is not None or not running:
             return
@@ -425,9 +426,9 @@ class Checkpoints(Callback):
         except DonatedStateError:
             return  # a step failed after taking the state: nothing valid to save
         step = int(state.step)
-        if self._last_done != step and self._open_point != step:
+        if step not in (self._last_done, self._open_point) and step == self._last_log:
             self.save(state, step, self._metrics_at(step))
-        if self.keep_best and not self._ranked:
+        if self.keep_best and self._saves and not self._ranked:
             warnings.warn(
                 f"Checkpoints(keep_best={self.keep_best}) ranked no checkpoint: no "
                 f"save saw the metric {self.monitor!r}. Monitor a metric the run "

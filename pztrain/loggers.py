@@ -45,10 +45,12 @@ class JsonlLogger:
     Args:
       run_dir: The directory (created if missing).
       resume_step: If given, keep only records with ``step <= resume_step``.
+      drop_later: Whether the records after ``resume_step`` may be dropped (a
+        run resumed from a checkpoint redoes them); if not, they are refused.
 
     Raises:
-      ValueError: if ``metrics.jsonl`` holds records and ``resume_step`` is
-        ``None``.
+      ValueError: if ``metrics.jsonl`` holds records after ``resume_step`` (any,
+        if it is ``None``) and they may not be dropped.
 
     Example:
       >>> import tempfile
@@ -60,13 +62,20 @@ class JsonlLogger:
       {'loss': 0.5}
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, resume_step: int | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        resume_step: int | None = None,
+        drop_later: bool = True,
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         if self.path.exists():
             records = read_jsonl(self.run_dir)
-            if resume_step is None and records:
+            later = [r for r in records if r["step"] > (resume_step or 0)]
+            if later and (resume_step is None or not drop_later):
                 raise ValueError(
                     f"{self.path} holds another run's log ({len(records)} records, "
                     f"up to step {records[-1]['step']}). Continue that run (fit(..., "

@@ -299,11 +299,12 @@ def _is_count(value: Any) -> bool:
 
 def _default_loggers(run_dir, start: int, resume: bool) -> list[Logger]:
     """A `JsonlLogger` in ``run_dir`` (if given) that continues its log from
-    ``start``; a fresh run from step 0 keeps no record (and refuses a log that
-    holds some: another run's)."""
+    ``start``. Only a run resumed from a checkpoint drops the records after it;
+    any other run refuses a log that holds records after ``start``."""
     if run_dir is None:
         return []
-    return [JsonlLogger(run_dir, resume_step=start if resume or start else None)]
+    resumed = resume and start > 0
+    return [JsonlLogger(run_dir, resume_step=start or None, drop_later=resumed)]
 
 
 def _epoch_length(train_data: Any) -> int | None:

@@ -341,3 +341,89 @@ def test_keep_best_whose_metric_never_appears_warns(tmp_path):
     ckpt = pztrain.Checkpoints(tmp_path, every_steps=2, keep_best=1, monitor="acc")
     with pytest.warns(UserWarning, match="ranked no checkpoint: .*'acc'"):
         train(new_state(), ckpt, num_steps=4, log_every=2)
+
+
+# ------------------------------------- one Checkpoints object, several runs
+
+
+def test_a_resume_after_a_refused_fresh_run_keeps_its_checkpoints(tmp_path):
+    """overwrite=True, then a refusal by the log, then resume=True: the
+    checkpoint the resume restores is not deleted."""
+    opts = dict(num_steps=4, log_every=2, run_dir=tmp_path / "run")
+    train(new_state(), pztrain.Checkpoints(tmp_path / "c"), **opts)
+    ckpt = pztrain.Checkpoints(tmp_path / "c", overwrite=True)
+    with pytest.raises(ValueError, match="holds another run's log"):
+        train(new_state(), ckpt, **opts)
+    state, _ = train(new_state(), ckpt, resume=True, **{**opts, "num_steps": 6})
+    assert int(state.step) == 6 and ckpt.steps() == [4, 6]
+
+
+def test_a_checkpoints_object_serves_a_second_run(tmp_path):
+    ckpt = pztrain.Checkpoints(tmp_path, every_steps=2, overwrite=True)
+    train(new_state(), ckpt, num_steps=4, log_every=2)
+    with pytest.warns(UserWarning, match=re.escape("Deleting checkpoints [2, 4]")):
+        train(new_state(), ckpt, num_steps=4, log_every=2)
+    assert ckpt.steps() == [2, 4]
+
+
+def test_saving_an_older_step_than_the_newest_is_an_error(tmp_path):
+    state, _ = STEP(new_state(), x=X)
+    ckpt = pztrain.Checkpoints(tmp_path)
+    ckpt.save(state, 10)
+    with pytest.raises(CheckpointError, match="Checkpoint 8 is older than the newest"):
+        ckpt.save(state, 8)
+    assert ckpt.steps() == [10]
+
+
+def test_an_interruption_between_log_points_resumes_from_a_log_point(tmp_path):
+    """Ctrl-C at step 6 with log_every=4: the resumed log equals an
+    uninterrupted one (a checkpoint at 6 would average steps 7-8 alone)."""
+
+    class Interrupt(pztrain.Callback):
+        def on_advance(self, step, t):
+            if step == 6:
+                raise KeyboardInterrupt
+            return step + 1  # a host point after every step
+
+    data = pztrain.ArrayLoader({"x": np.arange(24.0).reshape(8, 3) / 24}, 2)
+    opts = dict(num_steps=8, log_every=4, progress=False)
+    pztrain.fit(new_state(), STEP, data, run_dir=tmp_path / "whole", **opts)
+    ckpt = pztrain.Checkpoints(tmp_path / "c", every_steps=4)
+    with pytest.raises(KeyboardInterrupt):
+        pztrain.fit(
+            new_state(), STEP, data, run_dir=tmp_path / "run", checkpoints=ckpt,
+            callbacks=[Interrupt()], **opts,
+        )  # fmt: skip
+    assert ckpt.steps() == [4]
+    pztrain.fit(
+        new_state(), STEP, data, run_dir=tmp_path / "run", checkpoints=ckpt,
+        resume=True, **opts,
+    )  # fmt: skip
+    assert _without_time(read_jsonl(tmp_path / "run")) == _without_time(
+        read_jsonl(tmp_path / "whole")
+    )
+
+
+def test_resume_with_nothing_to_resume_keeps_the_log(tmp_path):
+    train(new_state(), None, num_steps=4, log_every=2, run_dir=tmp_path)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match="holds another run's log"):
+        train(
+            new_state(),
+            pztrain.Checkpoints(tmp_path / "misspelt"),
+            num_steps=4,
+            run_dir=tmp_path,
+            resume=True,
+        )
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
+def test_keep_best_by_a_train_metric_with_an_early_evaluation(tmp_path):
+    ckpt = pztrain.Checkpoints(tmp_path, keep_best=1, monitor="loss", on_eval=True)
+    pztrain.fit(
+        new_state(), STEP, DATA, num_steps=8, log_every=4, eval_every=2,
+        eval_step=EVAL, eval_data=DATA, checkpoints=ckpt, progress=False,
+    )  # fmt: skip
+    assert ckpt.best_step() == 8
+    # Resuming a finished run saves nothing and warns of nothing.
+    train(new_state(), ckpt, num_steps=8, log_every=4, resume=True)
