@@ -92,8 +92,8 @@ _META_LISTS = {
 def _check_meta(path: Path, meta: dict[str, Any]) -> None:
     """Checks the JSON's own structure (before anything relies on it)."""
     version = meta.get("format_version", 0)
-    if isinstance(version, int) and version > FORMAT_VERSION:
-        raise CheckpointError(
+    if isinstance(version, int) and version > FORMAT_VERSION:  # not corruption:
+        raise CheckpointMismatchError(  # resume refuses it rather than skip it
             f"{path} was written by a newer pztrain (format version {version}); "
             "upgrade pztrain to read it."
         )

@@ -427,3 +427,16 @@ def test_keep_best_by_a_train_metric_with_an_early_evaluation(tmp_path):
     assert ckpt.best_step() == 8
     # Resuming a finished run saves nothing and warns of nothing.
     train(new_state(), ckpt, num_steps=8, log_every=4, resume=True)
+
+
+def test_resume_refuses_a_checkpoint_of_a_newer_format(tmp_path):
+    ckpt = pztrain.Checkpoints(tmp_path, every_steps=2)
+    train(new_state(), ckpt, num_steps=4, log_every=2)
+    meta_file = tmp_path / "4" / "meta" / "metadata"
+    meta_file.write_text(
+        meta_file.read_text().replace('"format_version": 1', '"format_version": 99')
+    )
+    before = _files(tmp_path)
+    with pytest.raises(CheckpointMismatchError, match="newer pztrain .*upgrade"):
+        train(new_state(), ckpt, num_steps=6, log_every=2, resume=True)
+    assert _files(tmp_path) == before  # not set aside as unreadable
