@@ -40,4 +40,4 @@ def test_checkpoint_benchmark_completes():
         "1",
         timeout=300,
     )
-    assert "ratio to numpy" in out and "asynchronous" in out
+    assert "numpy+fsync" in out and "asynchronous" in out
