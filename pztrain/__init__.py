@@ -6,7 +6,7 @@ step. `fit` runs the loop around them: data, on-device metrics, evaluation,
 callbacks and loggers.
 """
 
-from pztrain import callbacks, checkpoint, data, loggers, metrics, partition
+from pztrain import callbacks, checkpoint, data, loggers, metrics, partition, sharding
 from pztrain._version import __version__ as __version__
 from pztrain.callbacks import (
     Callback,
@@ -32,6 +32,13 @@ from pztrain.loggers import JsonlLogger, TensorBoardLogger
 from pztrain.loop import evaluate, fit
 from pztrain.partition import ApplyFnModel, ParamSlot, PartitionError
 from pztrain.records import History, LoopInfo, Stop
+from pztrain.sharding import (
+    ShardingError,
+    ShardingRules,
+    shard_state,
+    sharded_initial_state,
+    state_shardings,
+)
 from pztrain.state import DonatedStateError, TrainState
 from pztrain.step import (
     EvalFunction,
@@ -64,6 +71,8 @@ __all__ = [
     "ParamSlot",
     "PartitionError",
     "ProgressBar",
+    "ShardingError",
+    "ShardingRules",
     "StepOutputs",
     "Stop",
     "TensorBoardLogger",
@@ -86,4 +95,8 @@ __all__ = [
     "read_metadata",
     "save_params",
     "save_state",
+    "shard_state",
+    "sharded_initial_state",
+    "sharding",
+    "state_shardings",
 ]

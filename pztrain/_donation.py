@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["DonatedStateError", "check_alive"]
+__all__ = ["DonatedStateError", "check_alive", "raise_if_donated"]
 
 
 class DonatedStateError(RuntimeError):
@@ -30,3 +30,13 @@ def check_alive(tree: Any, where: str, what: str = "these arrays") -> None:
             "notebook, re-run the cell that builds the state before re-running a "
             "training cell, or build the step with donate=False to keep old states."
         )
+
+
+def raise_if_donated(state: Any, err: Exception, where: str) -> None:
+    """Raises `DonatedStateError` (from ``err``) if ``state`` was donated: the
+    error a call on a consumed state gets instead of XLA's "Array has been
+    deleted"; returns otherwise."""
+    try:
+        state.check_not_donated(where)
+    except DonatedStateError as donated:
+        raise donated from err

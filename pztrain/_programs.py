@@ -12,7 +12,7 @@ from pztrain._step_fns import Carry, Inputs, Static, key_data
 from pztrain.partition import split_rest
 from pztrain.state import TrainState
 
-__all__ = ["Found", "Programs", "TrainPrograms", "args_of"]
+__all__ = ["Found", "KeepShardings", "Programs", "TrainPrograms", "args_of"]
 
 
 class Programs:
@@ -89,3 +89,51 @@ def args_of(state: TrainState, found: Found, batch: Any, opt_state: bool = True)
         state.loss_fn_state,
     )
     return carry, Inputs(found.key_data, found.rest, batch)
+
+
+class KeepShardings:
+    """A train step on a mesh whose state keeps the shardings it came with.
+
+    Compiled at the first call, with the ``Carry``'s shardings of that call as
+    its output shardings (an uncommitted array, such as fresh metric sums, is
+    replicated): params, optimizer state and counters stay where they are, step
+    after step, and donation reuses their buffers. The per-call cost is one
+    ``is None`` check.
+    """
+
+    def __init__(self, fn: Callable[..., Any], mesh: Any, options: dict[str, Any]):
+        self._fn, self._mesh, self._options = fn, mesh, options
+        self._jitted: Any = None
+
+    def __call__(self, carry: Carry, inputs: Inputs) -> Any:
+        jitted = self._jitted
+        if jitted is None:
+            jitted = self._jitted = self._compile(carry)
+        return jitted(carry, inputs)
+
+    def lower(self, carry: Carry, inputs: Inputs) -> jax.stages.Lowered:
+        if self._jitted is None:
+            self._jitted = self._compile(carry)
+        return self._jitted.lower(carry, inputs)
+
+    def _compile(self, carry: Carry) -> Any:
+        mesh = self._mesh
+        devices = set(mesh.devices.flat)
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+        def sharding_of(path: Any, x: Any) -> Any:
+            if not isinstance(x, jax.Array) or not x.committed:
+                return replicated
+            if x.sharding.device_set != devices:
+                where = jax.tree_util.keystr(tuple(path))
+                raise ValueError(
+                    f"carry{where} of the state is on {sorted(map(str, x.devices()))}"
+                    f", not on the step's mesh of {len(devices)} devices. Put the "
+                    "state on the mesh first: pztrain.shard_state(state, mesh, "
+                    "rules) or pztrain.sharded_initial_state(make_state, mesh, "
+                    "rules)."
+                )
+            return x.sharding
+
+        shardings = jax.tree_util.tree_map_with_path(sharding_of, carry)
+        return jax.jit(self._fn, out_shardings=(shardings, None, None), **self._options)

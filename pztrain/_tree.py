@@ -85,7 +85,8 @@ def all_finite(tree: Any) -> bool:
         return True
     sums = np.asarray(_sums(floats))
     return all(
-        bool(np.isfinite(s)) or bool(_finite(x)) for s, x in zip(sums, floats, strict=True)
+        bool(np.isfinite(s)) or bool(_finite(x))
+        for s, x in zip(sums, floats, strict=True)
     )
 
 

@@ -16,12 +16,16 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from pztrain import _step_fns
-from pztrain._programs import Found, Programs, TrainPrograms, args_of
+from pztrain._donation import raise_if_donated
+from pztrain._programs import Found, KeepShardings, Programs, TrainPrograms, args_of
 from pztrain._step_fns import Carry, Inputs, OnDeviceBatches, Static, StepOutputs
+from pztrain.eval_step import EvalFunction, EvalStep, build_eval_step
 from pztrain.metrics import MetricSums, metric_names
-from pztrain.state import DonatedStateError, TrainState, after_step
+from pztrain.sharding import data_sharding, place_batch
+from pztrain.state import TrainState, after_step
 
 __all__ = [
     "EvalFunction",
@@ -56,13 +60,6 @@ class LossFunction(Protocol):
         """
 
 
-class EvalFunction(Protocol):
-    """The eval-function contract: like `LossFunction`, returning metrics only."""
-
-    def __call__(self, *, model: Any, state: Any, rng: jax.Array, **batch: Any) -> Any:
-        """Returns a pytree of metrics for ``model`` on one batch."""
-
-
 class TrainStep:
     """A built train step: ``train_step(state, **batch) -> (state, aux)``.
 
@@ -88,11 +85,17 @@ class TrainStep:
         steps_per_call: int,
         state_shardings: Any,
         batch_shardings: Any,
+        mesh: Mesh | None = None,
+        data_axis: str | tuple[str, ...] = "data",
     ):
         self.loss_fn = loss_fn
         self.jit = jit
         self.donate = donate
         self.steps_per_call = steps_per_call
+        self.mesh = mesh
+        self.batch_sharding = (
+            None if mesh is None else data_sharding(mesh, data_axis, steps_per_call)
+        )
         self._state_shardings = state_shardings
         self._batch_shardings = batch_shardings
         self._programs = Programs(self._build)
@@ -104,9 +107,11 @@ class TrainStep:
         aux = _step_fns.aux_fn(loss_fn, static)
         if not self.jit:
             return TrainPrograms(step, lambda: grads, aux)
-        return TrainPrograms(
-            jax.jit(step, **self._jit_options()), lambda: jax.jit(grads), aux
-        )
+        if self.mesh is not None and self._state_shardings is None:
+            jitted = KeepShardings(step, self.mesh, self._jit_options())
+        else:
+            jitted = jax.jit(step, **self._jit_options())
+        return TrainPrograms(jitted, lambda: jax.jit(grads), aux)
 
     def _jit_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {}
@@ -207,12 +212,14 @@ class TrainStep:
             Carry,
             (state.step, state.params, state.opt_state, state.loss_fn_state, sums),
         )
+        if self.batch_sharding is not None and isinstance(batch, Mapping):
+            batch = place_batch(batch, self.batch_sharding)
         inputs = _make(Inputs, (found.key_data, found.rest, batch))
         step = found.program.step
         try:
             carry, new_rest, aux = step(carry, inputs)
         except (RuntimeError, ValueError) as err:
-            _donation_error(state, err, "train_step(state, ...)")
+            raise_if_donated(state, err, "train_step(state, ...)")
             raise
         if calls > 1:
             carry, new_rest, aux = self._more_calls(
@@ -280,9 +287,10 @@ class TrainStep:
         if not self.jit:
             raise ValueError("lower() needs a jitted step: build it with jit=True.")
         found = self._lookup(state)
-        return found.program.step.lower(
-            *args_of(state, found, _one_batch(batch, arrays))
-        )
+        batch = _one_batch(batch, arrays)
+        if self.batch_sharding is not None and isinstance(batch, Mapping):
+            batch = place_batch(batch, self.batch_sharding)
+        return found.program.step.lower(*args_of(state, found, batch))
 
     def _lookup(self, state: TrainState) -> Found:
         return self._programs.lookup(
@@ -316,13 +324,6 @@ def _shapes_key(tree: Any) -> tuple[Any, ...]:
     return treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
 
 
-def _donation_error(state: TrainState, err: Exception, where: str) -> None:
-    try:
-        state.check_not_donated(where)
-    except DonatedStateError as donated:
-        raise donated from err
-
-
 def build_train_step(
     loss_fn: LossFunction,
     *,
@@ -331,28 +332,28 @@ def build_train_step(
     steps_per_call: int = 1,
     state_shardings: Any = None,
     batch_shardings: Any = None,
+    mesh: Mesh | None = None,
+    data_axis: str | tuple[str, ...] = "data",
 ) -> TrainStep:
     """Builds a train step for ``loss_fn`` (penzai's loss-function contract).
 
-    Donation is on by default with ``jit=True``: the step reuses the buffers of
-    the step counter, params, optimizer and loss-function states, so memory holds
-    one copy of them; using the old state again raises
-    `pztrain.DonatedStateError` (``initial_state`` copies the model's arrays, so
-    the model you built is never donated). ``donate=False`` keeps old states.
+    Donation is on by default with ``jit=True``: the step reuses the state's
+    buffers (one copy in memory); using the old state again raises
+    `pztrain.DonatedStateError`. ``donate=False`` keeps old states.
 
     Args:
-      loss_fn: ``loss_fn(*, model, state, rng, **batch) -> (loss, new_state,
-        aux)``.
-      jit: Whether to ``jax.jit`` the step (``False`` runs eagerly, for
-        debugging).
-      donate: Donate what the step updates (default: the value of ``jit``).
-      steps_per_call: Fuse this many steps into one call with ``lax.scan``;
-        every batch leaf then has a leading axis of this size, and the keys are
-        those of as many single steps.
-      state_shardings: Optional object with ``params``, ``opt_state`` and
-        ``loss_fn_state`` attributes holding shardings (e.g. a `TrainState` of
-        shardings) for the jitted step's inputs and outputs.
+      loss_fn: ``(*, model, state, rng, **batch) -> (loss, new_state, aux)``.
+      jit: Whether to ``jax.jit`` the step (``False``: eagerly, to debug).
+      donate: Donate what the step updates (default: ``jit``).
+      steps_per_call: Steps fused in one call (``lax.scan``); every batch leaf
+        then has a leading axis of this size.
+      state_shardings: Optional shardings of the state's arrays (a
+        `TrainState` of shardings) for the jitted step's inputs and outputs.
       batch_shardings: Optional shardings for the batch dict.
+      mesh: A device mesh: each batch leaf is split along ``data_axis``
+        (``train_step.batch_sharding``) and the state keeps its shardings step
+        after step (see `pztrain.sharded_initial_state`, `pztrain.shard_state`).
+      data_axis: The mesh axis (or axes) the examples of a batch are split over.
 
     Returns:
       A `TrainStep`.
@@ -380,7 +381,18 @@ def build_train_step(
         steps_per_call=steps_per_call,
         state_shardings=state_shardings,
         batch_shardings=batch_shardings,
+        mesh=_checked_mesh(mesh),
+        data_axis=data_axis,
     )
+
+
+def _checked_mesh(mesh: Any) -> Mesh | None:
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"build_train_step(mesh=...) takes a jax.sharding.Mesh (e.g. "
+            f"jax.make_mesh((8,), ('data',))); got {type(mesh).__name__}."
+        )
+    return mesh
 
 
 def _check_build(loss_fn: Any, jit: bool, donate: bool | None, k: int) -> bool:
@@ -392,59 +404,3 @@ def _check_build(loss_fn: Any, jit: bool, donate: bool | None, k: int) -> bool:
     if donate and not jit:
         raise ValueError("donate=True needs jit=True (only jitted calls donate).")
     return jit if donate is None else donate
-
-
-class EvalStep:
-    """A built eval step: ``eval_step(state, **batch) -> metrics``.
-
-    The key is ``fold_in(fold_in(root_rng, step), 1)``: fixed for a given state,
-    and distinct from the train key of the same step. Nothing is donated and the
-    state is not changed (penzai v2 state-variable updates are dropped).
-
-    Attributes:
-      eval_fn: The eval function.
-      jit: Whether the step is jitted.
-    """
-
-    def __init__(self, eval_fn: EvalFunction, *, jit: bool):
-        self.eval_fn = eval_fn
-        self.jit = jit
-        self._programs = Programs(self._build)
-
-    def _build(self, static: Static, optimizer_def: Any) -> Any:
-        del optimizer_def  # evaluation does not depend on it
-        fn = _step_fns.eval_fn(self.eval_fn, static)
-        return jax.jit(fn) if self.jit else fn
-
-    def __call__(self, state: TrainState, **batch: Any) -> Any:
-        """Returns ``eval_fn``'s metrics for ``state`` on ``batch``."""
-        found = self._programs.lookup(state.model_without_params, None, state.root_rng)
-        try:
-            return found.program(*args_of(state, found, batch, opt_state=False))
-        except (RuntimeError, ValueError) as err:
-            _donation_error(state, err, "eval_step(state, ...)")
-            raise
-
-
-def build_eval_step(eval_fn: EvalFunction, *, jit: bool = True) -> EvalStep:
-    """Builds an eval step: ``eval_fn(*, model, state, rng, **batch) -> metrics``.
-
-    Args:
-      eval_fn: Returns a pytree of metrics (usually a dict of scalars).
-      jit: Whether to ``jax.jit`` it.
-
-    Returns:
-      An `EvalStep`.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, optax
-      >>> def eval_fn(*, model, state, rng, x):
-      ...     return {"mean": jnp.mean(x * model["w"])}
-      >>> state = TrainState.initial_state({"w": jnp.array(2.0)}, optax.sgd(0.1),
-      ...                                  jax.random.key(0))
-      >>> float(build_eval_step(eval_fn)(state, x=jnp.ones(3))["mean"])
-      2.0
-    """
-    if not callable(eval_fn):
-        raise TypeError(f"eval_fn must be callable; got {type(eval_fn).__name__}.")
-    return EvalStep(eval_fn, jit=jit)

@@ -1,0 +1,78 @@
+"""Eval steps: metrics of a `TrainState` on a batch, nothing donated or changed."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+
+from pztrain import _step_fns
+from pztrain._donation import raise_if_donated
+from pztrain._programs import Programs, args_of
+from pztrain._step_fns import Static
+from pztrain.state import TrainState
+
+__all__ = ["EvalFunction", "EvalStep", "build_eval_step"]
+
+
+class EvalFunction(Protocol):
+    """The eval-function contract: like `LossFunction`, returning metrics only."""
+
+    def __call__(self, *, model: Any, state: Any, rng: jax.Array, **batch: Any) -> Any:
+        """Returns a pytree of metrics for ``model`` on one batch."""
+
+
+class EvalStep:
+    """A built eval step: ``eval_step(state, **batch) -> metrics``.
+
+    The key is ``fold_in(fold_in(root_rng, step), 1)``: fixed for a given state,
+    and distinct from the train key of the same step. Nothing is donated and the
+    state is not changed (penzai v2 state-variable updates are dropped).
+
+    Attributes:
+      eval_fn: The eval function.
+      jit: Whether the step is jitted.
+    """
+
+    def __init__(self, eval_fn: EvalFunction, *, jit: bool):
+        self.eval_fn = eval_fn
+        self.jit = jit
+        self._programs = Programs(self._build)
+
+    def _build(self, static: Static, optimizer_def: Any) -> Any:
+        del optimizer_def  # evaluation does not depend on it
+        fn = _step_fns.eval_fn(self.eval_fn, static)
+        return jax.jit(fn) if self.jit else fn
+
+    def __call__(self, state: TrainState, **batch: Any) -> Any:
+        """Returns ``eval_fn``'s metrics for ``state`` on ``batch``."""
+        found = self._programs.lookup(state.model_without_params, None, state.root_rng)
+        try:
+            return found.program(*args_of(state, found, batch, opt_state=False))
+        except (RuntimeError, ValueError) as err:
+            raise_if_donated(state, err, "eval_step(state, ...)")
+            raise
+
+
+def build_eval_step(eval_fn: EvalFunction, *, jit: bool = True) -> EvalStep:
+    """Builds an eval step: ``eval_fn(*, model, state, rng, **batch) -> metrics``.
+
+    Args:
+      eval_fn: Returns a pytree of metrics (usually a dict of scalars).
+      jit: Whether to ``jax.jit`` it.
+
+    Returns:
+      An `EvalStep`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> def eval_fn(*, model, state, rng, x):
+      ...     return {"mean": jnp.mean(x * model["w"])}
+      >>> state = TrainState.initial_state({"w": jnp.array(2.0)}, optax.sgd(0.1),
+      ...                                  jax.random.key(0))
+      >>> float(build_eval_step(eval_fn)(state, x=jnp.ones(3))["mean"])
+      2.0
+    """
+    if not callable(eval_fn):
+        raise TypeError(f"eval_fn must be callable; got {type(eval_fn).__name__}.")
+    return EvalStep(eval_fn, jit=jit)
