@@ -41,3 +41,8 @@ def test_checkpoint_benchmark_completes():
         timeout=300,
     )
     assert "numpy+fsync" in out and "asynchronous" in out
+
+
+def test_mesh_benchmark_quick_mode_completes():
+    out = _run("benchmarks/mesh_bench.py", "--quick", timeout=600)
+    assert "| data parallel |" in out and "| FSDP |" in out
