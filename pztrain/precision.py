@@ -9,11 +9,11 @@ dtype. The step is unchanged: it differentiates the wrapped loss with respect to
 the params, and autodiff through the cast hands the optimizer gradients in the
 params' dtype.
 
-Only floating-point arrays are cast, by JAX's dtype rules (``bfloat16`` and the
-float8 types count as floats); integers, keys and non-array leaves are left
-alone. Penzai v2 ``StateVariable`` s in the model are not cast by the wrapper
-(their updates must reach the step): after the loss function ran, each gets
-its old dtype back.
+Only real floating-point arrays are cast, by JAX's dtype rules (``bfloat16`` and
+the float8 types count as floats); integers, complex arrays, keys and non-array
+leaves are left alone. Penzai v2 ``StateVariable`` s in the model are not cast
+by the wrapper (their updates must reach the step): after the loss function
+ran, each gets its old dtype back.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from penzai.core import variables as pz_vars
 
-from pztrain._tree import is_float_array
+from pztrain._tree import is_array
 
 __all__ = ["Policy", "mixed_precision"]
 
@@ -67,14 +67,24 @@ def _float_dtype(value: Any, argument: str) -> jnp.dtype:
             f"{argument} must be a floating-point dtype; got {dtype.name}. "
             "Integer arrays are never cast by a Policy."
         )
+    if dtype.itemsize > 4 and not jax.config.jax_enable_x64:
+        raise ValueError(
+            f"{argument}={dtype.name} needs 64-bit JAX: call "
+            "jax.config.update('jax_enable_x64', True) first."
+        )
     return dtype
 
 
+def _is_real_float(x: Any) -> bool:
+    """A real floating-point array by JAX's rules (bfloat16 and float8 count)."""
+    return is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
 def _cast(tree: Any, dtype: jnp.dtype) -> Any:
-    """``tree`` with every float array cast to ``dtype``; the rest untouched."""
+    """``tree`` with every real float array cast to ``dtype``; the rest untouched."""
 
     def cast(x):
-        return x.astype(dtype) if is_float_array(x) and x.dtype != dtype else x
+        return x.astype(dtype) if _is_real_float(x) and x.dtype != dtype else x
 
     return jax.tree.map(cast, tree)
 
@@ -203,7 +213,7 @@ def _like(new: Any, old: Any) -> Any:
         return new  # the step reports the mismatch, naming the entry
 
     def cast(x, y):
-        if is_float_array(x) and is_float_array(y) and x.dtype != y.dtype:
+        if _is_real_float(x) and _is_real_float(y) and x.dtype != y.dtype:
             return x.astype(y.dtype)
         return x
 
@@ -278,7 +288,7 @@ def _run(loss_fn, policy: Policy, scale: float | None, model, state, rng, batch)
     """One call of a `mixed_precision` loss function."""
 
     def to_compute(x):
-        if not is_float_array(x):
+        if not _is_real_float(x):
             return x
         if scale is not None:  # gradients leave the compute dtype divided by S
             x = _scale_cotangent(x, 1.0 / scale)

@@ -192,11 +192,13 @@ def test_cast_to_param_keeps_penzai_sharing_and_leaves_ints_and_keys():
         "b": [shared, jnp.zeros(1), jnp.arange(3)],
         "key": jax.random.key(0),
         "name": "relu",
+        "z": jnp.ones(2, jnp.complex64),
     }
     out = Policy.parse("p=bf16,c=bf16").cast_to_param(tree)
     assert out["a"] is out["b"][0] and out["a"].value.dtype == jnp.bfloat16
     assert out["b"][1].dtype == jnp.bfloat16 and out["b"][2].dtype == jnp.int32
     assert out["key"] is tree["key"] and out["name"] == "relu"
+    assert out["z"].dtype == jnp.complex64
     assert shared.value.dtype == jnp.float32  # the input is untouched
     module = Policy.parse("p=bf16,c=bf16").cast_to_param(
         eqx.nn.Linear(2, 3, key=jax.random.key(0))
@@ -249,6 +251,10 @@ def test_loss_scale_keeps_float16_gradients_from_underflowing():
             "Cannot read 'outptu=f32'",
         ),
         (lambda: Policy.parse("compute=bf16"), "has no param_dtype"),
+        (
+            lambda: Policy.parse("params=f64,compute=f32"),
+            "param_dtype=float64 needs 64-bit JAX",
+        ),
         (
             lambda: mixed_precision(xor_loss, MIXED, loss_scale=0),
             "loss_scale must be a finite number > 0; got 0",
