@@ -6,7 +6,16 @@ step. `fit` runs the loop around them: data, on-device metrics, evaluation,
 callbacks and loggers.
 """
 
-from pztrain import callbacks, checkpoint, data, loggers, metrics, partition, sharding
+from pztrain import (
+    callbacks,
+    checkpoint,
+    data,
+    loggers,
+    metrics,
+    partition,
+    precision,
+    sharding,
+)
 from pztrain._version import __version__ as __version__
 from pztrain.callbacks import (
     Callback,
@@ -31,6 +40,7 @@ from pztrain.data import ArrayLoader, BatchError
 from pztrain.loggers import JsonlLogger, TensorBoardLogger
 from pztrain.loop import evaluate, fit
 from pztrain.partition import ApplyFnModel, ParamSlot, PartitionError
+from pztrain.precision import mixed_precision
 from pztrain.records import History, LoopInfo, Stop
 from pztrain.sharding import (
     ShardingError,
@@ -91,7 +101,9 @@ __all__ = [
     "load_state",
     "loggers",
     "metrics",
+    "mixed_precision",
     "partition",
+    "precision",
     "read_metadata",
     "save_params",
     "save_state",

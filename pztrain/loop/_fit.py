@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import NoneType
 from typing import Any
 
+import jax
+
 from pztrain.callbacks import Callback, ProgressBar
 from pztrain.checkpoints import Checkpoints
 from pztrain.data import ArrayLoader
@@ -71,6 +73,8 @@ def fit(
       log_every: Steps between log points (a multiple of ``steps_per_call``).
       callbacks: `pztrain.Callback` s, run in this order at each point.
       loggers: Default: a `pztrain.JsonlLogger` in ``run_dir``, if given.
+        With several processes, loggers and the progress bar run on process 0
+        only (every process gets the same ``history``).
       run_dir: The run directory for the default logger: its log is continued
         from the start step; a fresh run from step 0 refuses another run's.
       hparams: Hyperparameters to log once, at the start.
@@ -104,10 +108,8 @@ def fit(
         schedule = Schedule(
             start, end, k, log_every, eval_every, per_epoch, num_epochs, evaluates
         )
-        if loggers is None:
-            loggers = _default_loggers(run_dir, start, resume)
+        loggers, bar = _outputs(loggers, run_dir, start, resume, progress, callbacks)
         history, clock = History(), time.perf_counter
-        bar = _progress_bar(progress, callbacks)
         ckpts = [] if checkpoints is None else [checkpoints]
         hooks = Hooks([*bar, *callbacks, RecordLog(history, loggers), *ckpts])
         run = _Run(
@@ -295,6 +297,16 @@ def _check_parts(state, train_step, train_data, eval_step, eval_data, hparams) -
 def _is_count(value: Any) -> bool:
     """An integer (Python or NumPy), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _outputs(loggers, run_dir, start, resume, progress, callbacks):
+    """The run's loggers and progress bar: on process 0 only, so that a run of
+    several processes writes one log and shows one bar."""
+    if jax.process_index() != 0:
+        return [], []
+    if loggers is None:
+        loggers = _default_loggers(run_dir, start, resume)
+    return loggers, _progress_bar(progress, callbacks)
 
 
 def _default_loggers(run_dir, start: int, resume: bool) -> list[Logger]:
