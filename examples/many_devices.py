@@ -24,12 +24,11 @@ import tempfile  # noqa: E402
 
 import jax  # noqa: E402
 import optax  # noqa: E402
+from digits import eval_fn, load, loss_fn  # noqa: E402  (the same model and data)
 from jax.sharding import AxisType  # noqa: E402
 from penzai.models import simple_mlp  # noqa: E402
 
 import pztrain  # noqa: E402
-
-from digits import eval_fn, load, loss_fn  # noqa: E402  (the same model and data)
 
 
 def main(epochs: int = 10, batch_size: int = 32, seed: int = 0) -> float:

@@ -26,3 +26,24 @@ def test_digits_example_with_fit(tmp_path):
     )
     assert accuracy > 0.9
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"eval"') >= 4
+
+
+def test_many_devices_example_on_eight_simulated_devices():
+    """The example sets XLA_FLAGS before jax is imported: a subprocess."""
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "many_devices.py", "--epochs", "3"],
+        cwd=EXAMPLES,
+        env=dict(os.environ, PYTHONPATH=str(EXAMPLES.parent)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "on 8 devices" in result.stdout
+    assert "P(None, 'model')" in result.stdout  # the penzai axis rule applied
+    accuracy = float(result.stdout.split("test accuracy")[-1])
+    assert accuracy > 0.9
