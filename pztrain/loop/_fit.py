@@ -70,7 +70,9 @@ def fit(
       eval_every: Steps between evaluations (default: each epoch end, or the end).
       log_every: Steps between log points (a multiple of ``steps_per_call``).
       callbacks: `pztrain.Callback` s, run in this order at each point.
-      loggers: Default: a `pztrain.JsonlLogger` in ``run_dir``, if given.
+      loggers: Loggers, in addition to the `pztrain.JsonlLogger` in ``run_dir``
+        (if given and none of them is a `JsonlLogger`); ``loggers=[]`` turns
+        that default log off.
       run_dir: The run directory for the default logger: its log is continued
         from the start step; a fresh run from step 0 refuses another run's.
       hparams: Hyperparameters to log once, at the start.
@@ -104,8 +106,7 @@ def fit(
         schedule = Schedule(
             start, end, k, log_every, eval_every, per_epoch, num_epochs, evaluates
         )
-        if loggers is None:
-            loggers = _default_loggers(run_dir, start, resume)
+        loggers = _default_loggers(run_dir, start, resume, loggers)
         history, clock = History(), time.perf_counter
         bar = _progress_bar(progress, callbacks)
         ckpts = [] if checkpoints is None else [checkpoints]
@@ -115,7 +116,7 @@ def fit(
             source=batch_source(train_data, start, k, prefetch),
             schedule=schedule,
             hooks=hooks,
-            reporter=Reporter(hooks, clock, state),
+            reporter=Reporter(hooks, clock, state, start),
             info=_info(schedule, run_dir, hparams, callbacks),
             history=history,
             evaluate=functools.partial(evaluate, eval_step=eval_step, data=eval_data),
@@ -192,6 +193,7 @@ def _stretch(run: _Run, state, sums, step: int, stop_at: float):
     for batch, calls in run.source.stretch(step, stop_at):
         if sums is None:
             sums = run.train_step.metric_sums(state, batch)
+            run.reporter.note_batch(batch, k)
         state, sums = run.train_step.accumulate(state, sums, batch, calls=calls)
         ran += calls * k
         yield state, sums, ran
@@ -297,14 +299,20 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _default_loggers(run_dir, start: int, resume: bool) -> list[Logger]:
-    """A `JsonlLogger` in ``run_dir`` (if given) that continues its log from
-    ``start``. Only a run resumed from a checkpoint drops the records after it;
-    any other run refuses a log that holds records after ``start``."""
-    if run_dir is None:
-        return []
+def _default_loggers(run_dir, start: int, resume: bool, given) -> list[Logger]:
+    """``given`` after a `JsonlLogger` in ``run_dir`` (if given, unless ``given``
+    is ``[]`` or holds one) that continues its log from ``start``. Only a run
+    resumed from a checkpoint drops the records after it; any other run refuses
+    a log that holds records after ``start``."""
+    if (
+        run_dir is None
+        or given == []
+        or any(isinstance(g, JsonlLogger) for g in given or ())
+    ):
+        return list(given or ())
     resumed = resume and start > 0
-    return [JsonlLogger(run_dir, resume_step=start or None, drop_later=resumed)]
+    log = JsonlLogger(run_dir, resume_step=start or None, drop_later=resumed)
+    return [log, *(given or ())]
 
 
 def _epoch_length(train_data: Any) -> int | None:
