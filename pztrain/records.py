@@ -160,8 +160,10 @@ class History:
           >>> import matplotlib; matplotlib.use("Agg")
           >>> h = History([{"step": 1, "split": "train", "metrics": {"loss": 1.0}},
           ...              {"step": 1, "split": "eval", "metrics": {"loss": 2.0}}])
-          >>> [ax.get_title() for ax in h.plot().axes]
+          >>> fig = h.plot()
+          >>> [ax.get_title() for ax in fig.axes]
           ['loss']
+          >>> import matplotlib.pyplot as plt; plt.close(fig)
         """
         try:
             import matplotlib.pyplot as plt

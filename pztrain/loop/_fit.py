@@ -70,9 +70,8 @@ def fit(
       eval_every: Steps between evaluations (default: each epoch end, or the end).
       log_every: Steps between log points (a multiple of ``steps_per_call``).
       callbacks: `pztrain.Callback` s, run in this order at each point.
-      loggers: Loggers, in addition to the `pztrain.JsonlLogger` in ``run_dir``
-        (if given and none of them is a `JsonlLogger`); ``loggers=[]`` turns
-        that default log off.
+      loggers: Added to the `pztrain.JsonlLogger` of ``run_dir`` (unless one is
+        a `JsonlLogger`); ``loggers=[]`` turns that default log off.
       run_dir: The run directory for the default logger: its log is continued
         from the start step; a fresh run from step 0 refuses another run's.
       hparams: Hyperparameters to log once, at the start.
