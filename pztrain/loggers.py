@@ -22,6 +22,7 @@ __all__ = [
     "Logger",
     "MLflowLogger",
     "TensorBoardLogger",
+    "WandbLogger",
     "flat_hparams",
     "read_jsonl",
 ]
@@ -344,3 +345,61 @@ class MLflowLogger:
 
     def close(self) -> None:
         self._client.set_terminated(self.run_id)
+
+
+class WandbLogger:
+    """Logs to Weights & Biases (optional extra ``wandb``), online or offline.
+
+    One W&B run per `pztrain.fit`, held by this logger (``reinit="create_new"``:
+    not W&B's global run): hyperparameters as the run's config, metrics as
+    ``<split>/<metric>`` at their step, the throughput as ``time/steps_per_sec``
+    and ``time/examples_per_sec``. ``mode="offline"`` writes the run under
+    ``dir`` for a later ``wandb sync``.
+
+    Args:
+      project: The W&B project.
+      name: The run's name (default: W&B's).
+      dir: The directory for W&B's files (default: W&B's, ``./wandb``).
+      mode: ``"online"``, ``"offline"`` or ``"disabled"`` (default: W&B's).
+      **init_kwargs: Passed to ``wandb.init`` (e.g. ``tags``, ``group``).
+
+    Attributes:
+      run: The ``wandb.Run``.
+    """
+
+    def __init__(
+        self,
+        project: str = "pztrain",
+        *,
+        name: str | None = None,
+        dir: str | os.PathLike | None = None,
+        mode: str | None = None,
+        **init_kwargs: Any,
+    ):
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError(
+                "WandbLogger needs wandb: pip install 'pztrain[wandb]'."
+            ) from None
+        self.run = wandb.init(
+            project=project,
+            name=name,
+            dir=None if dir is None else str(dir),
+            mode=mode,
+            reinit="create_new",
+            **init_kwargs,
+        )
+
+    def log_hparams(self, hparams: dict[str, Any]) -> None:
+        self.run.config.update(jsonable(hparams))
+
+    def log_record(self, record: dict[str, Any]) -> None:
+        values = {f"{record['split']}/{k}": v for k, v in record["metrics"].items()}
+        for key in ("steps_per_sec", "examples_per_sec"):
+            if key in record:
+                values[f"time/{key}"] = record[key]
+        self.run.log(values, step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()

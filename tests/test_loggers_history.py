@@ -5,7 +5,9 @@ the Profile callback."""
 from __future__ import annotations
 
 import csv
+import json
 import re
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,13 @@ import pytest
 from test_loop import d2h_guard  # noqa: F401 - a fixture, used by name
 
 from pztrain.data import ArrayLoader
-from pztrain.loggers import CSVLogger, JsonlLogger, MLflowLogger, read_jsonl
+from pztrain.loggers import (
+    CSVLogger,
+    JsonlLogger,
+    MLflowLogger,
+    WandbLogger,
+    read_jsonl,
+)
 from pztrain.loop import fit
 from pztrain.loop._hooks import Hooks, RecordLog
 from pztrain.loop._reporting import Reporter
@@ -268,3 +276,66 @@ def test_profile_traces_the_steps_asked_for(tmp_path):
     assert len(traces) == 1 and traces[0].stat().st_size > 0
     with pytest.raises(ValueError, match=re.escape("num_steps >= 1; got")):
         Profile(0, 0, tmp_path)
+
+
+def test_wandb_logger_offline_writes_a_run_file(tmp_path, monkeypatch):
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger("digits", name="first", dir=tmp_path, mode="offline")
+    _, history = run(
+        eval_step=EVAL,
+        eval_data=EVAL_DATA,
+        loggers=[logger],
+        hparams={"opt": {"lr": 0.05}},
+    )
+    import wandb
+
+    wandb.teardown()  # W&B's service process writes the file: let it finish
+    (path,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    logged: dict[str, list[tuple[int, float]]] = {}
+    config = {}
+    for record in _wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            items = {
+                i.key or "/".join(i.nested_key): i.value_json
+                for i in record.history.item
+            }
+            step = int(items.pop("_step"))
+            for key, value in items.items():
+                if not key.startswith("_"):
+                    logged.setdefault(key, []).append((step, json.loads(value)))
+        elif kind == "config":
+            config.update(
+                {i.key: json.loads(i.value_json) for i in record.config.update}
+            )
+    assert config["opt"] == {"lr": 0.05} and config["log_every"] == 2
+    for split, name in [("train", "loss"), ("eval", "loss"), ("eval", "acc")]:
+        steps, values = history.series(name, split)
+        got = logged[f"{split}/{name}"]
+        assert [s for s, _ in got] == steps
+        assert [v for _, v in got] == pytest.approx(values)
+    assert [s for s, _ in logged["time/steps_per_sec"]] == [2, 4, 6, 8]
+
+
+def _wandb_records(path):
+    """The protobuf records of a W&B run file: LevelDB's log format (32 KiB
+    blocks of chunks: crc u32, length u16, type u8) after a 7-byte header."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0 and length == 0:
+            continue
+        pending += chunk
+        if kind in (1, 4):  # FULL or LAST
+            yield wandb_internal_pb2.Record.FromString(pending)
+            pending = b""
