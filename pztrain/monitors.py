@@ -81,15 +81,34 @@ class LivePlot(Callback):
 
     def _add(self, record: dict[str, Any]) -> None:
         self.history.records.append({**record, "metrics": dict(record["metrics"])})
-        if not self.history.metric_names(self.split):
-            return  # nothing of the split drawn yet
-        self.history.plot(self.names, self.split, fig=self.figure)
+        names = self._logged_names()
+        if not names:
+            return  # nothing asked for was logged yet (e.g. before an eval)
+        self.history.plot(names, self.split, fig=self.figure)
         self.draws += 1
         if self._handle is not None:
             self._handle.update(self.figure)
         else:
             self.figure.canvas.draw_idle()
             self.figure.canvas.flush_events()
+
+    def _logged_names(self) -> list[str]:
+        """The names asked for that the records drawn so far hold."""
+        logged = {
+            s: self.history.metric_names(s)
+            for s in ("train", "eval")
+            if self.split in (None, s)
+        }
+        if self.names is None:
+            return sorted(set().union(*logged.values()))
+        found = []
+        for entry in self.names:
+            split, _, rest = entry.partition("/")
+            if rest and split in logged and rest in logged[split]:
+                found.append(entry)
+            elif any(entry in names for names in logged.values()):
+                found.append(entry)
+        return found
 
 
 def _notebook_display() -> Any:

@@ -124,6 +124,18 @@ def test_live_plot_draws_from_the_records_alone():
     assert list(evals.get_ydata()) == history.series("loss", "eval")[1]
 
 
+def test_live_plot_draws_an_eval_metric_from_the_first_eval():
+    live = LivePlot(names=["eval/acc", "loss"])
+    _, history = run(
+        eval_step=EVAL, eval_data=EVAL_DATA, eval_every=4, callbacks=[live]
+    )
+    assert live.draws == len(history.records)  # train records before any eval too
+    assert [ax.get_title() for ax in live.figure.axes] == ["acc", "loss"]
+    acc, loss = live.figure.axes
+    assert list(acc.get_lines()[0].get_xdata()) == [4, 8]
+    assert [x.get_label() for x in loss.get_lines()] == ["train", "eval"]
+
+
 def test_live_plot_in_a_notebook_updates_one_display(monkeypatch):
     import IPython
     import IPython.display
