@@ -339,8 +339,8 @@ class ProgressBar(Callback):
 
     It paces itself: it asks the loop to stop by about every ``seconds`` of wall
     time at the step rate it has seen (ten times per log interval at first),
-    moves there, and shows the last logged metrics. It reads nothing from the
-    device.
+    moves there, and shows the last train metrics (the loss, the learning rate
+    when logged) with the last eval metrics. It reads nothing from the device.
 
     Args:
       metrics: Names to show (default: all train metrics).
@@ -380,6 +380,8 @@ class ProgressBar(Callback):
         self._k = 1
         self._every = 1
         self._last: tuple[int, float] | None = None
+        self._train: dict[str, str] = {}  # the postfix: last train metrics
+        self._eval: dict[str, str] = {}  # and last eval metrics
 
     def on_train_start(self, state, info):
         make_bar = self._make_bar
@@ -399,7 +401,7 @@ class ProgressBar(Callback):
         )
         self._k = info.steps_per_call
         self._every = max(self._k, info.log_every // 10 // self._k * self._k)
-        self._last = None
+        self._last, self._train, self._eval = None, {}, {}
 
     def on_advance(self, step: int, t: float) -> int:
         """Moves the bar to ``step``; returns the step of the next move."""
@@ -427,18 +429,16 @@ class ProgressBar(Callback):
 
     @record_only
     def on_log(self, state, record):
-        shown = {
+        self._train = {
             k: f"{v:.4g}"
             for k, v in record["metrics"].items()
             if self.metrics is None or k in self.metrics
         }
-        self.bar.set_postfix(shown, refresh=False)
+        self.bar.set_postfix({**self._train, **self._eval}, refresh=False)
 
     def on_eval_end(self, state, record):
-        self.bar.set_postfix(
-            {f"eval/{k}": f"{v:.4g}" for k, v in record["metrics"].items()},
-            refresh=False,
-        )
+        self._eval = {f"eval/{k}": f"{v:.4g}" for k, v in record["metrics"].items()}
+        self.bar.set_postfix({**self._train, **self._eval}, refresh=False)
 
     def on_train_end(self, state, history):
         if self.bar is not None:

@@ -6,12 +6,21 @@ speak of; this module imports nothing else of pztrain.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["History", "LoopInfo", "Stop", "jsonable"]
+__all__ = ["TIMING_KEYS", "History", "LoopInfo", "Stop", "jsonable", "read_jsonl"]
+
+
+TIMING_KEYS = ("time", "steps_per_sec", "examples_per_sec")
+"""The keys of a record that depend on the clock, not on the run's math: leave
+them out to compare two runs' records."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +86,10 @@ class History:
     """The records a run logged, in order.
 
     Each record is a dict: ``step``, ``epoch``, ``split`` (``"train"`` or
-    ``"eval"``), ``time`` (seconds since the start) and ``metrics``.
+    ``"eval"``), ``time`` (wall time in seconds since `pztrain.fit` started)
+    and ``metrics``. A train record also has ``steps_per_sec`` since the last
+    log point, and ``examples_per_sec`` when the batch size is known (see
+    `TIMING_KEYS`).
 
     Attributes:
       records: The records.
@@ -114,15 +126,44 @@ class History:
         found = [r for r in self.records if r["split"] == split]
         return found[-1] if found else None
 
-    def plot(self, names: Sequence[str] | None = None, ax: Any = None) -> Any:
-        """Plots metrics against steps with matplotlib (optional extra).
+    @classmethod
+    def from_jsonl(cls, run_dir: str | os.PathLike) -> History:
+        """The history a run logged to ``run_dir/metrics.jsonl`` (see
+        `pztrain.loggers.JsonlLogger`)."""
+        return cls(records=read_jsonl(run_dir))
+
+    def plot(
+        self,
+        names: Sequence[str] | None = None,
+        split: str | None = None,
+        *,
+        fig: Any = None,
+    ) -> Any:
+        """Plots metrics against steps with matplotlib (optional extra ``plot``).
+
+        One axes per metric: a train metric and the eval metric of the same name
+        share one, the learning rate has its own.
 
         Args:
-          names: Metrics to plot (default: every train and eval metric).
-          ax: A matplotlib axes to draw on (default: a new figure).
+          names: Metrics to plot: ``"loss"`` (train and eval) or
+            ``"eval/loss"`` (one split); default: every metric logged.
+          split: ``"train"`` or ``"eval"`` alone (default: both).
+          fig: A matplotlib figure to clear and draw on (default: a new one).
 
         Returns:
-          The axes.
+          The figure.
+
+        Raises:
+          ValueError: for a name that was not logged, or an unknown split.
+
+        Example:
+          >>> import matplotlib; matplotlib.use("Agg")
+          >>> h = History([{"step": 1, "split": "train", "metrics": {"loss": 1.0}},
+          ...              {"step": 1, "split": "eval", "metrics": {"loss": 2.0}}])
+          >>> fig = h.plot()
+          >>> [ax.get_title() for ax in fig.axes]
+          ['loss']
+          >>> import matplotlib.pyplot as plt; plt.close(fig)
         """
         try:
             import matplotlib.pyplot as plt
@@ -130,16 +171,62 @@ class History:
             raise ImportError(
                 "History.plot needs matplotlib: pip install 'pztrain[plot]'."
             ) from None
-        if ax is None:
-            _, ax = plt.subplots()
-        for split in ("train", "eval"):
-            for name in sorted(self.metric_names(split)):
-                if names is None or name in names or f"{split}/{name}" in names:
-                    steps, values = self.series(name, split)
-                    ax.plot(steps, values, label=f"{split}/{name}")
-        ax.set_xlabel("step")
-        ax.legend()
-        return ax
+        panels = self._panels(names, split)
+        fig = plt.figure() if fig is None else fig
+        fig.clear()
+        cols = min(len(panels), 3) or 1
+        rows = -(-len(panels) // cols)
+        fig.set_size_inches(4.5 * cols, 3.2 * rows)
+        for i, (name, splits) in enumerate(panels.items()):
+            ax = fig.add_subplot(rows, cols, i + 1)
+            for s in splits:
+                ax.plot(
+                    *self.series(name, s), label=s, marker="." if s == "eval" else ""
+                )
+            ax.set_title(name)
+            ax.set_xlabel("step")
+            ax.legend()
+        fig.tight_layout()
+        return fig
+
+    def _panels(self, names, split) -> dict[str, list[str]]:
+        """Metric name → the splits to draw on its axes."""
+        if split not in (None, "train", "eval"):
+            raise ValueError(f"split must be 'train', 'eval' or None; got {split!r}.")
+        splits = ("train", "eval") if split is None else (split,)
+        logged = {s: self.metric_names(s) for s in splits}
+        wanted = sorted(set().union(*logged.values())) if names is None else names
+        panels: dict[str, list[str]] = {}
+        for entry in [wanted] if isinstance(wanted, str) else wanted:
+            first, _, rest = entry.partition("/")
+            only = first if rest and first in ("train", "eval") else None
+            name = rest if only else entry
+            found = [s for s in splits if name in logged[s] and only in (None, s)]
+            if not found:
+                raise ValueError(
+                    f"History.plot: no {entry!r} among the logged metrics "
+                    f"{ {s: sorted(n) for s, n in logged.items()} }; name a "
+                    "metric as 'loss' (every split) or 'eval/loss'."
+                )
+            panels.setdefault(name, [])
+            panels[name] += [s for s in found if s not in panels[name]]
+        return panels
+
+
+def read_jsonl(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Reads the records a `pztrain.loggers.JsonlLogger` wrote.
+
+    A last line cut short (a run killed while writing it) is not a record and
+    is left out; any other line that is not JSON is an error.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    text = path.read_text()
+    lines = text.split("\n")
+    complete, last = lines[:-1], lines[-1]  # ``last`` lacks its newline
+    records = [json.loads(line) for line in complete if line]
+    with contextlib.suppress(ValueError):
+        records += [json.loads(last)] if last else []
+    return records
 
 
 def jsonable(value: Any) -> Any:

@@ -32,6 +32,7 @@ from pztrain import (
     fit,
 )
 from pztrain.loggers import read_jsonl
+from pztrain.records import TIMING_KEYS
 
 _rng = np.random.default_rng(1)
 X = _rng.normal(size=(16, 3)).astype(np.float32)
@@ -559,8 +560,16 @@ def test_progress_bar_default(fake_tqdm):
     assert bar.kwargs["unit"] == "step"
     assert sum(bar.updates) == 8 and min(bar.updates) >= 1
     train, evals = history.last("train"), history.last("eval")
-    assert bar.postfixes[-2] == _shown(train["metrics"])
-    assert bar.postfixes[-1] == _shown(evals["metrics"], "eval/")
+    first_eval = [r for r in history.records if r["split"] == "eval"][0]
+    # The train loss (and learning rate) is shown with the last eval metrics.
+    assert bar.postfixes[-2] == {
+        **_shown(train["metrics"]),
+        **_shown(first_eval["metrics"], "eval/"),
+    }
+    assert bar.postfixes[-1] == {
+        **_shown(train["metrics"]),
+        **_shown(evals["metrics"], "eval/"),
+    }
     assert len(bar.postfixes) == 4 + 2  # 4 log points, 2 evaluations
     assert bar.closed == 1
 
@@ -644,7 +653,7 @@ def test_progress_true_with_real_tqdm(capsys):
 
 
 def _without_time(records):
-    return [{k: v for k, v in r.items() if k != "time"} for r in records]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
 def test_jsonl_logger_reads_back_the_history(tmp_path):
@@ -784,11 +793,18 @@ def test_tensorboard_logger_writes_scalars_and_hparams(tmp_path):
         for v in ev.summary.value:
             if v.HasField("tensor"):
                 texts[v.tag] = [s.decode() for s in v.tensor.string_val]
-            else:
+            elif v.metadata.plugin_data.plugin_name != "hparams":
                 scalars.setdefault(v.tag, []).append((ev.step, v.simple_value))
     want_tags = {f"train/{m}" for m in ("loss", "score", "neg_score")}
     want_tags |= {"eval/loss", "eval/score"}
+    throughput = {t: scalars.pop(t) for t in list(scalars) if t.startswith("time/")}
     assert set(scalars) == want_tags
+    assert [s for s, _ in throughput["time/steps_per_sec"]] == [2, 4, 6]
+    assert [v for _, v in throughput["time/steps_per_sec"]] == [
+        pytest.approx(r["steps_per_sec"])
+        for r in history.records
+        if "steps_per_sec" in r
+    ]
     for split in ("train", "eval"):
         for name in history.metric_names(split):
             steps, values = history.series(name, split)
@@ -797,13 +813,32 @@ def test_tensorboard_logger_writes_scalars_and_hparams(tmp_path):
             assert [v for _, v in got] == [float(np.float32(v)) for v in values]
     assert [s for s, _ in scalars["train/loss"]] == [2, 4, 6]
     assert [s for s, _ in scalars["eval/loss"]] == [6]
-    (text,) = texts["hparams/text_summary"]
-    assert text.startswith("```\n") and text.endswith("\n```")
-    assert json.loads(text.strip("`\n")) == {
-        "log_every": 2,
+    # Hyperparameters go to the HParams tab, in this run's event file.
+    assert not texts and [p for p in tmp_path.iterdir() if p.is_dir()] == []
+    plugin = _hparams_plugin_data(events)
+    start = plugin["_hparams_/session_start_info"].session_start_info.hparams
+    assert {k: v.number_value for k, v in start.items()} == {
+        "log_every": 2.0,
         "lr": 0.05,
-        "steps_per_call": 1,
+        "steps_per_call": 1.0,
     }
+    experiment = plugin["_hparams_/experiment"].experiment
+    assert {m.name.tag for m in experiment.metric_infos} == want_tags
+    assert {h.name for h in experiment.hparam_infos} == set(start)
+    assert "_hparams_/session_end_info" in plugin
+
+
+def _hparams_plugin_data(events):
+    """Tag → the decoded ``HParamsPluginData`` of each hparams summary."""
+    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
+
+    found = {}
+    for ev in events:
+        for v in ev.summary.value:
+            if v.metadata.plugin_data.plugin_name == "hparams":
+                content = v.metadata.plugin_data.content
+                found[v.tag] = HParamsPluginData.FromString(content)
+    return found
 
 
 # ---------------------------------------------------------------- History
@@ -853,19 +888,22 @@ def test_history_plot():
 
     h = _history()
     try:
-        ax = h.plot()
-        labels = [line.get_label() for line in ax.get_lines()]
-        assert labels == ["train/acc", "train/loss", "eval/loss"]
-        assert ax.get_xlabel() == "step"
-        assert [t.get_text() for t in ax.get_legend().get_texts()] == labels
-        line = ax.get_lines()[1]
+        fig = h.plot()  # one axes per metric; train and eval of one share it
+        assert [ax.get_title() for ax in fig.axes] == ["acc", "loss"]
+        acc, loss = fig.axes
+        assert [line.get_label() for line in loss.get_lines()] == ["train", "eval"]
+        assert [line.get_label() for line in acc.get_lines()] == ["train"]
+        assert loss.get_xlabel() == "step"
+        line = loss.get_lines()[0]
         assert list(line.get_xdata()) == [2, 4, 6]
         assert list(line.get_ydata()) == [1.0, 0.5, 0.25]
 
-        _, ax2 = plt.subplots()
-        assert h.plot(names=["loss"], ax=ax2) is ax2
-        assert [x.get_label() for x in ax2.get_lines()] == ["train/loss", "eval/loss"]
-        ax3 = h.plot(names=["eval/loss"])
-        assert [x.get_label() for x in ax3.get_lines()] == ["eval/loss"]
+        assert h.plot(names=["loss"], fig=fig) is fig  # redrawn in place
+        assert [ax.get_title() for ax in fig.axes] == ["loss"]
+        fig3 = h.plot(names=["eval/loss"])
+        (ax,) = fig3.axes
+        assert [x.get_label() for x in ax.get_lines()] == ["eval"]
+        (ax,) = h.plot(split="train", names=["loss"]).axes
+        assert [x.get_label() for x in ax.get_lines()] == ["train"]
     finally:
         plt.close("all")

@@ -31,6 +31,7 @@ from pztrain import (
     fit,
 )
 from pztrain.loggers import read_jsonl
+from pztrain.records import TIMING_KEYS
 
 _rng = np.random.default_rng(0)
 X = _rng.normal(size=(16, 3)).astype(np.float32)
@@ -328,7 +329,9 @@ class WaitOnLog(Callback):
 
 
 def _without_time(history):
-    return [{k: v for k, v in r.items() if k != "time"} for r in history.records]
+    return [
+        {k: v for k, v in r.items() if k not in TIMING_KEYS} for r in history.records
+    ]
 
 
 @pytest.mark.parametrize("on_device", [False, True])

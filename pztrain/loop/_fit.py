@@ -72,9 +72,9 @@ def fit(
       eval_every: Steps between evaluations (default: each epoch end, or the end).
       log_every: Steps between log points (a multiple of ``steps_per_call``).
       callbacks: `pztrain.Callback` s, run in this order at each point.
-      loggers: Default: a `pztrain.JsonlLogger` in ``run_dir``, if given.
-        With several processes, loggers and the progress bar run on process 0
-        only (every process gets the same ``history``).
+      loggers: Added to the `pztrain.JsonlLogger` of ``run_dir`` (unless one is
+        a `JsonlLogger`); ``loggers=[]`` turns that default log off. With
+        several processes, loggers and the progress bar run on process 0 only.
       run_dir: The run directory for the default logger: its log is continued
         from the start step; a fresh run from step 0 refuses another run's.
       hparams: Hyperparameters to log once, at the start.
@@ -117,7 +117,7 @@ def fit(
             source=batch_source(train_data, start, k, prefetch),
             schedule=schedule,
             hooks=hooks,
-            reporter=Reporter(hooks, clock, state),
+            reporter=Reporter(hooks, clock, state, start),
             info=_info(schedule, run_dir, hparams, callbacks),
             history=history,
             evaluate=functools.partial(evaluate, eval_step=eval_step, data=eval_data),
@@ -194,6 +194,7 @@ def _stretch(run: _Run, state, sums, step: int, stop_at: float):
     for batch, calls in run.source.stretch(step, stop_at):
         if sums is None:
             sums = run.train_step.metric_sums(state, batch)
+            run.reporter.note_batch(batch, k)
         state, sums = run.train_step.accumulate(state, sums, batch, calls=calls)
         ran += calls * k
         yield state, sums, ran
@@ -304,19 +305,24 @@ def _outputs(loggers, run_dir, start, resume, progress, callbacks):
     several processes writes one log and shows one bar."""
     if jax.process_index() != 0:
         return [], []
-    if loggers is None:
-        loggers = _default_loggers(run_dir, start, resume)
+    loggers = _default_loggers(run_dir, start, resume, loggers)
     return loggers, _progress_bar(progress, callbacks)
 
 
-def _default_loggers(run_dir, start: int, resume: bool) -> list[Logger]:
-    """A `JsonlLogger` in ``run_dir`` (if given) that continues its log from
-    ``start``. Only a run resumed from a checkpoint drops the records after it;
-    any other run refuses a log that holds records after ``start``."""
-    if run_dir is None:
-        return []
+def _default_loggers(run_dir, start: int, resume: bool, given) -> list[Logger]:
+    """``given`` after a `JsonlLogger` in ``run_dir`` (if given, unless ``given``
+    is ``[]`` or holds one) that continues its log from ``start``. Only a run
+    resumed from a checkpoint drops the records after it; any other run refuses
+    a log that holds records after ``start``."""
+    if (
+        run_dir is None
+        or given == []
+        or any(isinstance(g, JsonlLogger) for g in given or ())
+    ):
+        return list(given or ())
     resumed = resume and start > 0
-    return [JsonlLogger(run_dir, resume_step=start or None, drop_later=resumed)]
+    log = JsonlLogger(run_dir, resume_step=start or None, drop_later=resumed)
+    return [log, *(given or ())]
 
 
 def _epoch_length(train_data: Any) -> int | None:

@@ -5,12 +5,19 @@ counts, the injected learning rate). If every ``on_log`` hook is record-only,
 the point does not wait for the device: it keeps the sums and emits the record
 once they are computed (checked at each host point, at the latest at the next
 log point, evaluation or the end); the records are the same, in the same order.
+
+A train record also carries the throughput since the last log point
+(``steps_per_sec``, and ``examples_per_sec`` once `Reporter.note_batch` has seen
+a batch), from the clock read at each log point: no device read of its own.
+When log points do not wait for the device, the rate is that of dispatch, which
+the device paces over more than a few steps; the first includes compiling.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +39,7 @@ class _LogPoint:
     epoch: int
     time: float
     learning_rate: jax.Array | None = None
+    since: tuple[int, float] = (0, 0.0)  # the previous log point's step and time
 
 
 class Reporter:
@@ -45,13 +53,32 @@ class Reporter:
         injected).
     """
 
-    def __init__(self, hooks: Hooks, clock: Callable[[], float], state: TrainState):
+    def __init__(
+        self,
+        hooks: Hooks,
+        clock: Callable[[], float],
+        state: TrainState,
+        start: int = 0,
+    ):
         self.hooks = hooks
         self.clock = clock
         self.late = hooks.record_only
         self._t0 = clock()
         self._logs_lr = _has_injected_lr(state)
         self._pending: _LogPoint | None = None
+        self._last = (start, self._t0)  # the last log point's step and time
+        self.batch_size: int | None = None
+
+    def note_batch(self, batch: Any, steps_per_call: int) -> None:
+        """Takes the batch size (examples per step) from a batch's shapes (no
+        device read); `examples_per_sec` assumes every batch has it."""
+        size = getattr(batch, "batch_size", None)  # an on-device epoch
+        if size is None:
+            leaves = jax.tree.leaves(batch)
+            shape = getattr(leaves[0], "shape", ()) if leaves else ()
+            axis = 1 if steps_per_call > 1 else 0
+            size = shape[axis] if len(shape) > axis else None
+        self.batch_size = None if size is None else int(size)
 
     def log(self, state: TrainState, sums: MetricSums, step: int, epoch: int):
         """A train log point: ``(state, stop)``. ``sums`` must not change after."""
@@ -59,7 +86,8 @@ class Reporter:
         lr = state.hyperparams["learning_rate"] if self._logs_lr else None
         if self.late and lr is not None:
             lr = jnp.copy(lr)  # read later: the next step donates the original
-        point = _LogPoint(sums, step, epoch, self.clock(), lr)
+        point = _LogPoint(sums, step, epoch, self.clock(), lr, self._last)
+        self._last = (step, point.time)
         if self.late:
             self._pending = point
             return state, stop
@@ -91,10 +119,21 @@ class Reporter:
             if point.learning_rate is not None:
                 values["learning_rate"] = float(point.learning_rate)
         record = self._record("train", point.step, point.epoch, values, point.time)
+        record.update(self._throughput(point))
         if summary.nonfinite:
             record["nonfinite_steps"] = summary.nonfinite
             record["first_nonfinite_step"] = summary.first_nonfinite_step
         return self.hooks.run("on_log", state, record)
+
+    def _throughput(self, point: _LogPoint) -> dict[str, float]:
+        """``steps_per_sec`` (and ``examples_per_sec``) since the last log point."""
+        steps, seconds = point.step - point.since[0], point.time - point.since[1]
+        if steps <= 0 or seconds <= 0:
+            return {}
+        rate = {"steps_per_sec": round(steps / seconds, 3)}
+        if self.batch_size is not None:
+            rate["examples_per_sec"] = round(steps * self.batch_size / seconds, 3)
+        return rate
 
     def _record(self, split: str, step: int, epoch: int, values: dict, t: float):
         return {

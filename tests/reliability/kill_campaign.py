@@ -59,6 +59,9 @@ from typing import Any
 
 import numpy as np
 
+# The clock-dependent keys of a record (pztrain.records.TIMING_KEYS).
+TIMING_KEYS = ("time", "steps_per_sec", "examples_per_sec")
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "kill_worker.py"
 ROOT = HERE.parents[1]
@@ -611,8 +614,8 @@ def _compare_records(reference: Path, run: Path) -> list[str]:
         if not others:
             continue
         other = others.pop(0)
-        a = {k: v for k, v in r.items() if k != "time"}
-        b = {k: v for k, v in other.items() if k != "time"}
+        a = {k: v for k, v in r.items() if k not in TIMING_KEYS}
+        b = {k: v for k, v in other.items() if k not in TIMING_KEYS}
         if a != b:
             fields = sorted(
                 f"{k}: {b.get(k)!r} != reference {a.get(k)!r}"

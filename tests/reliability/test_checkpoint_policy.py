@@ -24,6 +24,7 @@ import pytest
 import pztrain
 from pztrain import CheckpointError, CheckpointMismatchError, TrainState
 from pztrain.loggers import read_jsonl
+from pztrain.records import TIMING_KEYS
 
 
 def loss_fn(*, model, state, rng, x):
@@ -53,7 +54,7 @@ def train(state, ckpt, **kw):
 
 
 def _without_time(records):
-    return [{k: v for k, v in r.items() if k != "time"} for r in records]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
 def _files(directory):
