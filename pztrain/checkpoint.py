@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +105,7 @@ def save_params(
     """
     params = params_of(state_or_params)
     check_alive(params, "save_params", "the params to save")
-    return _save(Path(directory), save_args(params, None, metadata), overwrite)
+    return _orbax.write(Path(directory), save_args(params, None, metadata), overwrite)
 
 
 def save_state(
@@ -123,40 +122,7 @@ def save_state(
     """
     check_alive(state, "save_state", "the arrays of this TrainState")
     args = save_args(state.params, state, state_metadata(state, metadata))
-    return _save(Path(directory), args, overwrite)
-
-
-def _save(path: Path, args: Any, overwrite: bool) -> Path:
-    if path.exists() and not overwrite:
-        raise CheckpointError(
-            f"{path} exists; pass overwrite=True to replace it, or choose another "
-            "directory."
-        )
-    # Write beside the target first: an existing checkpoint is replaced only
-    # once the new one is complete, so a failed save loses nothing.
-    new = path.with_name(f".{path.name}.saving")
-    _remove_partial(new)
-    try:
-        with _orbax.checkpointer() as checkpointer:
-            checkpointer.save(new.absolute(), args=args)
-    except BaseException:
-        _remove_partial(new)
-        raise
-    if path.exists():
-        old = path.with_name(f".{path.name}.replaced")
-        shutil.rmtree(old, ignore_errors=True)
-        path.rename(old)
-        new.rename(path)
-        shutil.rmtree(old)
-    else:
-        new.rename(path)
-    return path
-
-
-def _remove_partial(new: Path) -> None:
-    """Removes a save's directory and orbax's temporaries for it."""
-    for leftover in [new, *new.parent.glob(f"{new.name}.orbax-checkpoint-tmp*")]:
-        shutil.rmtree(leftover, ignore_errors=True)
+    return _orbax.write(Path(directory), args, overwrite)
 
 
 def save_args(

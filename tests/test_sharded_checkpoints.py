@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +143,44 @@ def test_abstract_leaves_a_params_checkpoint_cannot_fill_are_named(tmp_path):
     save_params(tmp_path / "q", params)
     with pytest.raises(CheckpointMismatchError, match=r"\.opt_state.*load_state"):
         load_params(tmp_path / "q", state)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_save_and_restore_a_sharded_state(tmp_path):
+    """Two processes on 127.0.0.1 (2 CPU devices each, gloo): a sharded state
+    saved by both restores into a sharded and an abstract target in both (see
+    multiprocess_ckpt_worker.py)."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")]
+    )
+    port = str(_free_port())
+    worker = str(HERE / "multiprocess_ckpt_worker.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, port, str(i), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=300))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        assert out.strip().endswith("OK"), out
