@@ -39,6 +39,7 @@ import numpy as np
 import xxhash
 
 from pztrain._meta import CHECKSUM, CheckpointError
+from pztrain._targets import key_impl, target_of
 from pztrain._tree import describe_shape, is_array
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "check_files",
     "checksum",
     "checksums",
+    "from_written",
     "read",
     "reads_directly",
     "verify",
@@ -80,14 +82,11 @@ class StoredArray(NamedTuple):
 
     @classmethod
     def like(cls, label: str, key: str, x: Any, checksum: str | None) -> StoredArray:
-        """An array restored into the place and type of ``x`` (the host for a
-        NumPy array; a PRNG key array of its implementation)."""
-        sharding = x.sharding if isinstance(x, jax.Array) else None
-        target = jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+        """An array restored into the place and type of ``x`` (see `target_of`;
+        a PRNG key array of its implementation)."""
+        target = target_of(x, host=True)
         is_key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-        return cls(
-            label, key, target, checksum, jax.random.key_impl(x) if is_key else None
-        )
+        return cls(label, key, target, checksum, key_impl(x) if is_key else None)
 
 
 class Layout(NamedTuple):
@@ -189,8 +188,7 @@ def reads_directly(target: jax.ShapeDtypeStruct) -> bool:
     """Whether `read` places the array: on the host or on one device here."""
     sharding = target.sharding
     return sharding is None or (
-        isinstance(sharding, jax.sharding.SingleDeviceSharding)
-        and sharding.is_fully_addressable
+        sharding.is_fully_addressable and len(sharding.device_set) == 1
     )
 
 
@@ -269,10 +267,15 @@ def _place(host: np.ndarray, a: StoredArray) -> Any:
     """The array where its target is: the host, or one device."""
     if a.target.sharding is None:
         return host
-    placed = jax.device_put(host, a.target.sharding)
-    if a.key_impl is not None:
-        return jax.random.wrap_key_data(placed, impl=a.key_impl)
-    return placed
+    return from_written(a, jax.device_put(host, a.target.sharding))
+
+
+def from_written(a: StoredArray, x: Any) -> Any:
+    """``x`` as read (key data for a PRNG key array, unless orbax wrapped it
+    already) in the type of ``a``."""
+    if a.key_impl is None or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return x
+    return jax.random.wrap_key_data(x, impl=a.key_impl)
 
 
 # ----------------------------------------------------------------------------

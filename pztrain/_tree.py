@@ -49,18 +49,32 @@ def is_array(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray)
 
 
+def is_array_like(x: Any) -> bool:
+    """An array, or a ``jax.ShapeDtypeStruct`` standing for one (an abstract
+    model or state, from ``jax.eval_shape``).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> is_array_like(jax.ShapeDtypeStruct((2,), jnp.float32)), is_array_like(2.0)
+      (True, False)
+    """
+    return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
 def is_float_array(x: Any) -> bool:
-    """An array of a floating-point or complex dtype, by JAX's dtype rules.
+    """An array (or `is_array_like`) of a floating-point or complex dtype, by
+    JAX's dtype rules.
 
     JAX's rules count ``bfloat16`` and the float8 types as floating point (NumPy's
-    ``np.issubdtype`` does not).
+    ``np.issubdtype`` does not). A ``ShapeDtypeStruct`` counts, so an abstract
+    model splits into abstract params.
 
     Example:
       >>> import jax.numpy as jnp
       >>> is_float_array(jnp.zeros(2, jnp.bfloat16)), is_float_array(jnp.arange(2))
       (True, False)
     """
-    return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+    return is_array_like(x) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def all_finite(tree: Any) -> bool:
@@ -80,7 +94,7 @@ def all_finite(tree: Any) -> bool:
       >>> all_finite([jnp.array([1 + 1j, complex(1, float("nan"))])])
       False
     """
-    floats = [x for x in jax.tree.leaves(tree) if is_float_array(x)]
+    floats = [x for x in jax.tree.leaves(tree) if is_float_array(x) and is_array(x)]
     if not floats:
         return True
     sums = np.asarray(_sums(floats))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +50,14 @@ from pztrain._meta import (
     restored_scalars,
     stored_params,
 )
-from pztrain._targets import filled, params_of, params_target
-from pztrain._tree import is_array, named_leaves, path_repr
+from pztrain._targets import (
+    concrete,
+    filled,
+    param_target,
+    params_of,
+    params_target,
+)
+from pztrain._tree import is_array_like, named_leaves, path_repr
 from pztrain._version import __version__
 from pztrain.state import TrainState
 
@@ -100,7 +105,7 @@ def save_params(
     """
     params = params_of(state_or_params)
     check_alive(params, "save_params", "the params to save")
-    return _save(Path(directory), save_args(params, None, metadata), overwrite)
+    return _orbax.write(Path(directory), save_args(params, None, metadata), overwrite)
 
 
 def save_state(
@@ -117,40 +122,7 @@ def save_state(
     """
     check_alive(state, "save_state", "the arrays of this TrainState")
     args = save_args(state.params, state, state_metadata(state, metadata))
-    return _save(Path(directory), args, overwrite)
-
-
-def _save(path: Path, args: Any, overwrite: bool) -> Path:
-    if path.exists() and not overwrite:
-        raise CheckpointError(
-            f"{path} exists; pass overwrite=True to replace it, or choose another "
-            "directory."
-        )
-    # Write beside the target first: an existing checkpoint is replaced only
-    # once the new one is complete, so a failed save loses nothing.
-    new = path.with_name(f".{path.name}.saving")
-    _remove_partial(new)
-    try:
-        with _orbax.checkpointer() as checkpointer:
-            checkpointer.save(new.absolute(), args=args)
-    except BaseException:
-        _remove_partial(new)
-        raise
-    if path.exists():
-        old = path.with_name(f".{path.name}.replaced")
-        shutil.rmtree(old, ignore_errors=True)
-        path.rename(old)
-        new.rename(path)
-        shutil.rmtree(old)
-    else:
-        new.rename(path)
-    return path
-
-
-def _remove_partial(new: Path) -> None:
-    """Removes a save's directory and orbax's temporaries for it."""
-    for leftover in [new, *new.parent.glob(f"{new.name}.orbax-checkpoint-tmp*")]:
-        shutil.rmtree(leftover, ignore_errors=True)
+    return _orbax.write(Path(directory), args, overwrite)
 
 
 def save_args(
@@ -230,7 +202,10 @@ def load_params(
         `pztrain.Checkpoints`.
       like: A `TrainState` (returned with its params replaced), a model (penzai
         v2/v1, equinox or any pytree; returned with its params) or a params
-        pytree (returned filled).
+        pytree (returned filled). It may be abstract (``jax.ShapeDtypeStruct``
+        leaves, from ``jax.eval_shape``; a penzai v2 model frozen first): no
+        weights are made before loading. Each param goes onto the sharding of
+        its target (a ``ShapeDtypeStruct`` without one: the first device).
       partial: Load only the names both sides have; others keep ``like`` 's
         values (e.g. fine-tuning a model with a new head).
 
@@ -250,20 +225,22 @@ def load_params(
     meta = read_metadata(path)
     params, rebuild = params_target(like)
     stored = stored_params(meta)
-    wanted = check_params(path, stored, dict(named_leaves(params)), partial)
-    names = list(stored)
-    arrays = [a for a in _stored_params(meta) if names[int(a.key)] in wanted]
+    targets = dict(named_leaves(params))
+    wanted = check_params(path, stored, targets, partial)
+    arrays = _stored_params(meta, {n: targets[n] for n in wanted})
     restored = _read(path, meta, params=arrays)
-    return rebuild(filled(params, _by_name(names, restored["params"])))
+    names = list(stored)
+    return concrete(rebuild(filled(params, _by_name(names, restored["params"]))))
 
 
 def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """Restores a full-state checkpoint into ``like`` (a state built from code).
 
     Every array comes back with ``like`` 's exact types (optax state classes,
-    penzai structures, PRNG keys), and every stored number as the type ``like``
-    has there, so the run continues bit for bit. Files are checked as in
-    `load_params`.
+    penzai structures, PRNG keys) and shardings (the state may be abstract and
+    sharded: ``jax.ShapeDtypeStruct(..., sharding=)`` leaves), and every stored
+    number as the type ``like`` has there, so the run continues bit for bit,
+    on any mesh. Files are checked as in `load_params`.
 
     Raises:
       CheckpointMismatchError: the checkpoint is readable but was saved from
@@ -281,13 +258,15 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
             "save_state / Checkpoints to resume training."
         )
     stored = stored_params(meta)
-    check_params(path, stored, dict(named_leaves(like.params)), partial=False)
+    targets = dict(named_leaves(like.params))
+    check_params(path, stored, targets, partial=False)
     leaves = _state_leaves(like)
-    like_arrays = [(p, x) for p, x in leaves if is_array(x)]
+    like_arrays = [(p, x) for p, x in leaves if is_array_like(x)]
     check_state(path, meta["state"], like_arrays)
     scalars = restored_scalars(path, meta["state"]["scalars"], leaves)
     state_arrays = _stored_state(meta, like_arrays)
-    restored = _read(path, meta, params=_stored_params(meta), state=state_arrays)
+    params = _stored_params(meta, targets)
+    restored = _read(path, meta, params=params, state=state_arrays)
     by_name = _by_name(list(stored), restored["params"])
     arrays = [restored["state"][str(i)] for i in range(len(like_arrays))]
     rest = _filled_state(like, arrays, scalars)
@@ -305,20 +284,25 @@ def _filled_state(like: TrainState, arrays: list[Any], scalars: dict) -> TrainSt
     flat, treedef = jax.tree_util.tree_flatten_with_path(like.replace(params=None))
     new_arrays = iter(arrays)
     leaves = [
-        next(new_arrays) if is_array(x) else scalars.get(path_repr(p), x)
+        next(new_arrays) if is_array_like(x) else scalars.get(path_repr(p), x)
         for p, x in flat
     ]
     return treedef.unflatten(leaves)
 
 
-def _stored_params(meta: dict[str, Any]) -> list[StoredArray]:
+def _stored_params(meta: dict[str, Any], targets: dict[str, Any]) -> list[StoredArray]:
+    """The stored params bound for the target's, by name (those it lacks are
+    not read)."""
     p = meta["params"]
     sums = p.get(CHECKSUM) or [None] * len(p["names"])
     return [
-        StoredArray(f"parameter {name!r}", str(i), _abstract(shape, dtype), checksum)
-        for i, (name, shape, dtype, checksum) in enumerate(
-            zip(p["names"], p["shapes"], p["dtypes"], sums, strict=True)
+        StoredArray(
+            f"parameter {name!r}", str(i), param_target(dtype, targets[name]), checksum
         )
+        for i, (name, dtype, checksum) in enumerate(
+            zip(p["names"], p["dtypes"], sums, strict=True)
+        )
+        if name in targets
     ]
 
 
@@ -330,16 +314,6 @@ def _stored_state(
         StoredArray.like(f"state array {p}", str(i), x, checksum)
         for i, ((p, x), checksum) in enumerate(zip(like_arrays, sums, strict=True))
     ]
-
-
-def _abstract(shape: list[int], dtype: str) -> jax.ShapeDtypeStruct:
-    """Where a stored param goes: the first device (or the host, for a 64-bit
-    dtype JAX would narrow: checked at its stored width, then narrowed)."""
-    dtype = np.dtype(dtype)
-    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
-        return jax.ShapeDtypeStruct(tuple(shape), dtype)
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
 
 def _read(
@@ -365,8 +339,11 @@ def _read(
     }
     restored = _restore(path, **targets) if targets else {}
     for item, arrays in sharded.items():
-        _integrity.verify(path, item, arrays, restored[item])
-        out[item].update(restored[item])
+        found = {
+            a.key: _integrity.from_written(a, restored[item][a.key]) for a in arrays
+        }
+        _integrity.verify(path, item, arrays, found)
+        out[item].update(found)
     return out
 
 

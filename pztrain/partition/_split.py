@@ -120,7 +120,9 @@ def family_of(model: Any) -> str:
 # split
 
 
-def split(model: Any, trainable: Trainable = None) -> tuple[dict[str, Any], Any]:
+def split(
+    model: Any, trainable: Trainable = None, *, frozen: bool = False
+) -> tuple[dict[str, Any], Any]:
     """Splits ``model`` into named trainable arrays and the model without them.
 
     Args:
@@ -129,6 +131,10 @@ def split(model: Any, trainable: Trainable = None) -> tuple[dict[str, Any], Any]
         parameters with ``metadata["trainable"] == False`` excepted), a regex
         searched in each name, or a predicate ``(name, value) -> bool``. Arrays
         left out stay in the rest and get no optimizer state.
+      frozen: Also take the frozen penzai v2 parameter values
+        (``pz.ParameterValue``) the model holds itself, once per label: a model
+        from ``pz.freeze_params``, or an abstract one from ``jax.eval_shape``
+        (whose ``pz.Parameter`` s cannot hold a ``ShapeDtypeStruct``).
 
     Returns:
       ``(params, rest)``: a flat ``dict`` name → array, and the model with a
@@ -152,7 +158,7 @@ def split(model: Any, trainable: Trainable = None) -> tuple[dict[str, Any], Any]
     if family == "flax":
         return model.params, dataclasses.replace(model, params=None)
     if family == "penzai_v2":
-        params, rest = _split_penzai_v2(model, keep)
+        params, rest = _split_penzai_v2(model, keep, frozen)
     elif family == "penzai_v1":
         params, rest = _split_penzai_v1(model, keep)
     else:
@@ -206,7 +212,7 @@ def _take_params(
     return treedef.unflatten(new_leaves), taken
 
 
-def _split_penzai_v2(model: Any, keep) -> tuple[dict[str, Any], Any]:
+def _split_penzai_v2(model: Any, keep, frozen: bool) -> tuple[dict[str, Any], Any]:
     try:
         unbound, variables = pz_vars.unbind_variables(model, freeze=True)
     except pz_vars.VariableConflictError as e:
@@ -228,11 +234,34 @@ def _split_penzai_v2(model: Any, keep) -> tuple[dict[str, Any], Any]:
         )
         names += taken
         rebound.append(dataclasses.replace(var, value=value))
+    if frozen:
+        unbound = _take_frozen(unbound, keep, params, names)
     _check_unique(names)
     rest = pz_vars.bind_variables(unbound, rebound)
     for path, leaf in jax.tree_util.tree_flatten_with_path(rest)[0]:
         _check_hashable(path, leaf)
     return params, rest
+
+
+def _take_frozen(
+    unbound: Any, keep, params: dict[str, Any], names: list[tuple[str, str]]
+) -> Any:
+    """Takes the trainable frozen parameter values in ``unbound``, once per label."""
+    is_value = lambda x: isinstance(x, pz_vars.ParameterValue)  # noqa: E731
+    seen: dict[str, Any] = {}
+
+    def take(x):
+        if not is_value(x) or not x.metadata.get("trainable", True):
+            return x
+        label = str(x.label)
+        if label not in seen:
+            where = f"frozen parameter {label!r}"
+            value, taken = _take_params(label, x.value, keep, params, where)
+            names.extend(taken)
+            seen[label] = dataclasses.replace(x, value=value)
+        return seen[label]
+
+    return jax.tree.map(take, unbound, is_leaf=is_value)
 
 
 def _split_penzai_v1(model: Any, keep) -> tuple[dict[str, Any], Any]:
