@@ -14,8 +14,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from pztrain import checkpoint
 from pztrain._meta import CheckpointError, CheckpointMismatchError
+from pztrain._orbax import barrier
 from pztrain.state import TrainState
 
 __all__ = [
@@ -67,7 +70,14 @@ def remove_temporaries(directory: Path, step: int | None) -> None:
 
 def set_aside(directory: Path, steps: list[int]) -> None:
     """Renames checkpoints ``<step>`` to ``<step>.unreadable`` (kept to inspect;
-    ``<step>.unreadable-2`` … if an earlier resume set one aside already)."""
+    ``<step>.unreadable-2`` … if an earlier resume set one aside already).
+    With several processes, process 0 renames and the others wait."""
+    if jax.process_index() == 0:
+        _rename_aside(directory, steps)
+    barrier(f"pztrain.set_aside {directory}")
+
+
+def _rename_aside(directory: Path, steps: list[int]) -> None:
     for step in steps:
         path = directory / str(step)
         aside, n = path.with_name(f"{step}.unreadable"), 1

@@ -22,7 +22,7 @@ import jax
 
 from pztrain._meta import CheckpointError
 
-__all__ = ["checkpointer", "handlers", "ocp", "write"]
+__all__ = ["barrier", "checkpointer", "handlers", "ocp", "write"]
 
 
 class _QuietNonOcdbtMerge(logging.Filter):
@@ -84,7 +84,7 @@ def write(path: Path, args: Any, overwrite: bool) -> Path:
     primary = jax.process_index() == 0
     if primary:
         _remove_partial(new)
-    _barrier(f"pztrain.write start {path}")
+    barrier(f"pztrain.write start {path}")
     try:
         with checkpointer() as saver:
             saver.save(new.absolute(), args=args)
@@ -94,7 +94,7 @@ def write(path: Path, args: Any, overwrite: bool) -> Path:
         raise
     if primary:
         _replace(path, new)
-    _barrier(f"pztrain.write done {path}")
+    barrier(f"pztrain.write done {path}")
     return path
 
 
@@ -116,7 +116,7 @@ def _remove_partial(new: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _barrier(name: str) -> None:
+def barrier(name: str) -> None:
     """Waits for every process of a multi-process run (nothing in one process)."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
