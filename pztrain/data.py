@@ -2,7 +2,9 @@
 
 The loader's position is a function of the global step (DESIGN.md contract 5): the
 order of epoch ``e`` depends only on ``(seed, e)``, and `ArrayLoader.iter_from_step`
-starts anywhere, so resuming a run needs no iterator state.
+starts anywhere, so resuming a run needs no iterator state. On a mesh
+(``ArrayLoader(sharding=...)``) the global batches are the same; each process
+yields its rows of them, and `put_batch` assembles the global arrays.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pztrain._batch import BatchError, check_batch, stack_batches
+from pztrain._batch import BatchError, check_batch, loader_columns, stack_batches
 from pztrain._placement import (
     data_shards,
     prefetch_to_device,
@@ -91,7 +93,8 @@ jax.tree_util.register_dataclass(
 _ORDER_BYTES = 1 << 20  # budget for epoch orders made ahead (`ArrayLoader.order`)
 
 
-def _permute_rows(arrays: dict[str, jax.Array], idx: jax.Array) -> dict[str, jax.Array]:
+@jax.jit
+def _permute(arrays: dict[str, jax.Array], idx: jax.Array) -> dict[str, jax.Array]:
     """Rows of ``[batches, batch_size, ...]`` arrays put in the order ``idx``
     (over the flattened rows)."""
 
@@ -104,9 +107,6 @@ def _permute_rows(arrays: dict[str, jax.Array], idx: jax.Array) -> dict[str, jax
         )
 
     return {k: one(v) for k, v in arrays.items()}
-
-
-_permute = jax.jit(_permute_rows)
 
 
 class ArrayLoader:
@@ -123,16 +123,19 @@ class ArrayLoader:
       on_device: Keep the arrays on the device and give `pztrain.fit` one
         `IndexedBatches` per epoch (the device copy is permuted once per
         epoch), so that the step slices its own batch: no per-step host work.
-        For data that fits in device memory twice (during the permutation);
-        needs ``drop_remainder=True``.
+        For data that fits in device memory twice (during the permutation;
+        on a mesh, each device holds only its share); needs
+        ``drop_remainder=True``.
       sharding: For a mesh: the `jax.sharding.NamedSharding` of one batch, its
         spec naming the mesh axes the batch axis is split over (e.g.
         ``NamedSharding(mesh, P("data"))``); ``batch_size`` must divide by the
         number of those shards. On the host, each process then yields only
-        its rows of every global batch (`process_rows`), for `put_batch`
-        to assemble; on the device, each epoch is sharded so that every device
-        holds its rows of every batch. The batches are the same as without a
-        mesh: the order depends on ``(seed, epoch)`` alone.
+        its rows of every global batch (its contiguous block, in process
+        order), for `put_batch` to assemble; on the device, each epoch is
+        placed sharded ``P(None, data)`` from the host, every device holding
+        only its rows of every batch (its share of the data). The batches are
+        the same as without a mesh: the order depends on ``(seed, epoch)``
+        alone.
       process_index: This process (default ``jax.process_index()`` with a
         ``sharding``, else 0).
       process_count: The processes sharing each batch (default
@@ -174,7 +177,7 @@ class ArrayLoader:
     ):
         if not _is_int(batch_size) or batch_size < 1:
             raise BatchError(f"batch_size must be an int >= 1; got {batch_size!r}.")
-        self.arrays = _columns(arrays)
+        self.arrays = loader_columns(arrays)
         self.num_examples = check_batch(self.arrays)
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -198,9 +201,6 @@ class ArrayLoader:
             )
         _check_sharding(sharding, batch_size, drop_remainder)
         self._rows = _host_rows(batch_size, sharding, process_index, process_count)
-        self._permute = _permute
-        if sharding is not None:
-            self._permute = jax.jit(_permute_rows, out_shardings=self._epoch_sharding())
 
     @property
     def steps_per_epoch(self) -> int:
@@ -255,36 +255,62 @@ class ArrayLoader:
         return self._batch(self.order(epoch), index)
 
     def device_epoch(self, epoch: int) -> IndexedBatches:
-        """The batches of ``epoch``, as `IndexedBatches` on the device (sharded
-        ``P(None, data)`` with a ``sharding``).
+        """The batches of ``epoch``, as `IndexedBatches` on the device.
 
-        The arrays are moved to the device once. Each new epoch then permutes the
-        device copy into its order with one jitted gather (sending one int32
-        index per row); the previous arrangement is dropped, so one copy of
-        the data stays on the device (two during the permutation).
+        Without a ``sharding``, the arrays are moved to the device once; each new
+        epoch then permutes the device copy into its order with one jitted
+        gather (sending one int32 index per row), and the previous arrangement
+        is dropped: one copy of the data stays on the device (two during the
+        permutation). With a ``sharding``, each new epoch is placed from the
+        host, sharded ``P(None, data)``: every device receives only its rows of
+        every batch (its share of the data; no gather across devices), and each
+        process sends only to its own devices.
         """
-        if self._device_arrays is None:
-            self._device_arrays = self._place()
-        if self.shuffle and self._device_epoch != epoch:
-            self._rearrange(self.order(epoch))
-            self._device_epoch = epoch
+        if self.sharding is not None:
+            if self._device_arrays is None or (
+                self.shuffle and self._device_epoch != epoch
+            ):
+                self._device_arrays = None  # drop the last epoch first
+                self._device_arrays = self._place_sharded(self.order(epoch))
+                self._device_epoch = epoch
+        else:
+            if self._device_arrays is None:
+                self._device_arrays = self._place()
+            if self.shuffle and self._device_epoch != epoch:
+                self._rearrange(self.order(epoch))
+                self._device_epoch = epoch
         return IndexedBatches(
             self._device_arrays, self.batch_size, self.steps_per_epoch
         )
 
+    def _padded_rows(self) -> int:
+        """Rows of the device layout: whole batches, the last one padded."""
+        return -(-self.num_examples // self.batch_size) * self.batch_size
+
     def _place(self) -> dict[str, jax.Array]:
         """The data on the device as ``[batches, batch_size, ...]``, padded."""
-        batches = -(-self.num_examples // self.batch_size)
-        rows = batches * self.batch_size
+        rows = self._padded_rows()
         self._device_order = np.arange(rows)  # padding rows: "examples" >= n
-        host = {k: _padded(v, rows, self.batch_size) for k, v in self.arrays.items()}
-        if self.sharding is None:
-            return jax.device_put(host)
+        ids = np.minimum(self._device_order, self.num_examples - 1)
+        return jax.device_put(self._host_epoch(ids))
+
+    def _host_epoch(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        shape = (-1, self.batch_size)
+        return {k: v[ids].reshape(*shape, *v.shape[1:]) for k, v in self.arrays.items()}
+
+    def _place_sharded(self, order: np.ndarray) -> dict[str, jax.Array]:
+        """Epoch ``order`` on the mesh, each device's block read from the host."""
+        pad = self._padded_rows() - self.num_examples  # pad < batch_size <= n
+        ids = np.concatenate([order, order[:pad]]).reshape(-1, self.batch_size)
         sharding = self._epoch_sharding()
-        return {
-            k: jax.make_array_from_callback(v.shape, sharding, v.__getitem__)
-            for k, v in host.items()
-        }
+
+        def place(v: np.ndarray) -> jax.Array:
+            shape = (*ids.shape, *v.shape[1:])
+            return jax.make_array_from_callback(
+                shape, sharding, lambda i: v[ids[i[:2]]][(slice(None),) * 2 + i[2:]]
+            )
+
+        return {k: place(v) for k, v in self.arrays.items()}
 
     def _rearrange(self, order: np.ndarray) -> None:
         """Permutes the device copy into ``order`` (padding rows last)."""
@@ -294,12 +320,10 @@ class ArrayLoader:
         # wanted are those holding order[0], order[1], ...
         where = np.empty_like(self._device_order)
         where[self._device_order] = np.arange(rows)
-        # Without a mesh the index goes to the jitted gather as a NumPy array:
-        # jit's own transfer is much cheaper than a separate jax.device_put.
-        idx: Any = where[order].astype(np.int32)
-        if self.sharding is not None:
-            idx = put_batch(idx, NamedSharding(self.sharding.mesh, PartitionSpec()))
-        self._device_arrays = self._permute(self._device_arrays, idx)
+        # The index goes to the jitted gather as a NumPy array: jit's own
+        # transfer is much cheaper than a separate jax.device_put.
+        idx = where[order].astype(np.int32)
+        self._device_arrays = _permute(self._device_arrays, idx)
         self._device_order = order
 
     def epoch(self, epoch: int = 0) -> Iterator[dict[str, np.ndarray]]:
@@ -349,15 +373,6 @@ class ArrayLoader:
                 pending = []
 
 
-def _padded(column: np.ndarray, rows: int, batch_size: int) -> np.ndarray:
-    """``column`` padded with zeros to ``rows``, as ``[batches, batch_size, ...]``."""
-    pad = rows - len(column)
-    if pad:
-        zeros = np.zeros((pad, *column.shape[1:]), column.dtype)
-        column = np.concatenate([column, zeros])
-    return column.reshape(rows // batch_size, batch_size, *column.shape[1:])
-
-
 def _check_sharding(sharding: Any, batch_size: int, drop_remainder: bool) -> None:
     if sharding is None:
         return
@@ -395,52 +410,3 @@ def _host_rows(
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _columns(arrays: Any) -> dict[str, np.ndarray]:
-    """`ArrayLoader`'s arrays as NumPy arrays, checked column by column."""
-    if not hasattr(arrays, "keys"):  # a dict, or what dict() reads as one
-        raise BatchError(
-            "ArrayLoader takes a dict name -> array (e.g. {'x': x, 'y': y}; the "
-            f"names are the loss function's arguments); got {type(arrays).__name__}."
-        )
-    columns = {}
-    for name, value in dict(arrays).items():
-        if not isinstance(name, str):
-            raise BatchError(
-                "ArrayLoader's column names must be strings (the loss function's "
-                f"arguments); got {name!r}."
-            )
-        columns[name] = _column(name, value)
-    if not columns:
-        raise BatchError("ArrayLoader needs at least one column; got an empty dict.")
-    if all(c.shape[:1] == (0,) for c in columns.values()):
-        name, column = next(iter(columns.items()))
-        raise BatchError(
-            f"ArrayLoader got 0 examples (column {name!r} has shape "
-            f"{list(column.shape)}); pass at least one example."
-        )
-    return columns
-
-
-def _column(name: str, value: Any) -> np.ndarray:
-    if value is None or isinstance(value, Mapping):
-        got = "None" if value is None else f"a {type(value).__name__}"
-        raise BatchError(
-            f"Column {name!r} is {got}; ArrayLoader takes one array per name (a "
-            "flat dict of arrays)."
-        )
-    try:
-        column = np.asarray(value)
-    except ValueError as e:  # ragged nested lists
-        raise BatchError(
-            f"Column {name!r} is not a rectangular array ({e}); give every example "
-            "the same shape (pad them)."
-        ) from None
-    if not (jnp.issubdtype(column.dtype, jnp.number) or column.dtype == np.bool_):
-        raise BatchError(
-            f"Column {name!r} has dtype {column.dtype}, not numbers or bools; "
-            "encode it as numbers first (e.g. token ids for strings): only "
-            "numeric arrays enter jit."
-        )
-    return column
