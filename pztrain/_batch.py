@@ -5,7 +5,8 @@ batch axis; with ``steps_per_call=k`` every leaf carries a leading axis of ``k``
 first (one slice per step), then the batch axis. Data that is batched, stacked or
 counted by examples (loaders, `pztrain.fit`, `pztrain.evaluate`) needs that axis on
 every leaf; a train step also takes leaves without one (e.g. a scalar
-temperature), passed to the loss function as they are.
+temperature), passed to the loss function as they are. A loader's columns
+(`loader_columns`) are a flat dict of numeric arrays.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pztrain._tree import named_leaves
 
-__all__ = ["BatchError", "check_batch", "stack_batches"]
+__all__ = ["BatchError", "check_batch", "loader_columns", "stack_batches"]
 
 
 class BatchError(ValueError):
@@ -149,3 +151,53 @@ def _batch_axis(
 def stack_batches(batches: list[Mapping[str, Any]]) -> dict[str, Any]:
     """Stacks batches along a new leading axis (for ``steps_per_call > 1``)."""
     return jax.tree.map(lambda *xs: np.stack(xs), *batches)
+
+
+def loader_columns(arrays: Any) -> dict[str, np.ndarray]:
+    """`pztrain.data.ArrayLoader`'s arrays as NumPy arrays, checked column by
+    column (a flat dict name -> numeric array, at least one example)."""
+    if not hasattr(arrays, "keys"):  # a dict, or what dict() reads as one
+        raise BatchError(
+            "ArrayLoader takes a dict name -> array (e.g. {'x': x, 'y': y}; the "
+            f"names are the loss function's arguments); got {type(arrays).__name__}."
+        )
+    columns = {}
+    for name, value in dict(arrays).items():
+        if not isinstance(name, str):
+            raise BatchError(
+                "ArrayLoader's column names must be strings (the loss function's "
+                f"arguments); got {name!r}."
+            )
+        columns[name] = _loader_column(name, value)
+    if not columns:
+        raise BatchError("ArrayLoader needs at least one column; got an empty dict.")
+    if all(c.shape[:1] == (0,) for c in columns.values()):
+        name, column = next(iter(columns.items()))
+        raise BatchError(
+            f"ArrayLoader got 0 examples (column {name!r} has shape "
+            f"{list(column.shape)}); pass at least one example."
+        )
+    return columns
+
+
+def _loader_column(name: str, value: Any) -> np.ndarray:
+    if value is None or isinstance(value, Mapping):
+        got = "None" if value is None else f"a {type(value).__name__}"
+        raise BatchError(
+            f"Column {name!r} is {got}; ArrayLoader takes one array per name (a "
+            "flat dict of arrays)."
+        )
+    try:
+        column = np.asarray(value)
+    except ValueError as e:  # ragged nested lists
+        raise BatchError(
+            f"Column {name!r} is not a rectangular array ({e}); give every example "
+            "the same shape (pad them)."
+        ) from None
+    if not (jnp.issubdtype(column.dtype, jnp.number) or column.dtype == np.bool_):
+        raise BatchError(
+            f"Column {name!r} has dtype {column.dtype}, not numbers or bools; "
+            "encode it as numbers first (e.g. token ids for strings): only "
+            "numeric arrays enter jit."
+        )
+    return column

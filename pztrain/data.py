@@ -2,22 +2,29 @@
 
 The loader's position is a function of the global step (DESIGN.md contract 5): the
 order of epoch ``e`` depends only on ``(seed, e)``, and `ArrayLoader.iter_from_step`
-starts anywhere, so resuming a run needs no iterator state.
+starts anywhere, so resuming a run needs no iterator state. On a mesh
+(``ArrayLoader(sharding=...)``) the global batches are the same; each process
+yields its rows of them, and `put_batch` assembles the global arrays.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from pztrain._batch import BatchError, check_batch, stack_batches
+from pztrain._batch import BatchError, check_batch, loader_columns, stack_batches
+from pztrain._placement import (
+    data_shards,
+    prefetch_to_device,
+    process_rows,
+    put_batch,
+)
 
 __all__ = [
     "ArrayLoader",
@@ -25,6 +32,7 @@ __all__ = [
     "IndexedBatches",
     "check_batch",
     "prefetch_to_device",
+    "put_batch",
     "stack_batches",
 ]
 
@@ -33,24 +41,25 @@ __all__ = [
 class IndexedBatches:
     """One epoch of a dataset on device, already in that epoch's order.
 
-    Step ``s`` reads batch ``i = s % steps_per_epoch`` of the epoch: the
-    ``batch_size`` rows from row ``i * batch_size`` (``k`` consecutive batches
-    with ``steps_per_call=k``), sliced inside the jitted step: no per-step host
-    work and no per-step transfer. Each step reads one contiguous slice: XLA
-    treats a slice as touching only its own rows, whereas a per-step gather from
-    the whole dataset is costed as reading all of it, and on CPU a dataset over
-    512 KiB then has every step's gather split across threads (several µs of
-    thread hand-off per step for a few rows). `ArrayLoader` with
-    ``on_device=True`` makes one per epoch, permuting its device copy once.
+    Each array is laid out ``[batches, batch_size, ...]``: row ``i`` of axis 0 is
+    the ``i``-th batch of the epoch. Step ``s`` reads batch
+    ``s % steps_per_epoch`` (``k`` consecutive batches with ``steps_per_call=k``),
+    sliced inside the jitted step along axis 0: no per-step host work, no
+    per-step transfer. A slice touches only its own rows (a per-step gather
+    from the whole dataset would be costed by XLA as reading all of it). On a
+    mesh the arrays are sharded ``P(None, data)``: every device holds its rows
+    of every batch, so the slice is local to each device and moves no data.
+    `ArrayLoader` with ``on_device=True`` makes one per epoch, permuting its
+    device copy once.
 
     A pytree: the arrays are its leaves, the two sizes are static.
 
     Attributes:
-      arrays: Name → array of all examples, in this epoch's order (leading axis:
-        examples).
+      arrays: Name → array ``[batches, batch_size, ...]`` of the epoch's
+        examples in order; the last batch is padded if the examples do not
+        fill it (only the first ``steps_per_epoch`` batches are read).
       batch_size: Examples per batch.
-      steps_per_epoch: Batches in the epoch (the examples past
-        ``steps_per_epoch * batch_size`` are not read).
+      steps_per_epoch: Batches in the epoch.
     """
 
     arrays: dict[str, jax.Array]
@@ -59,21 +68,17 @@ class IndexedBatches:
 
     def take(self, step: jax.Array, count: int = 1) -> dict[str, jax.Array]:
         """The batch of ``step`` (``count`` batches stacked if ``count > 1``)."""
-        start = (step % self.steps_per_epoch) * self.batch_size
-        size = count * self.batch_size
-
-        def cut(v: jax.Array) -> jax.Array:
-            rows = jax.lax.dynamic_slice_in_dim(v, start, size, axis=0)
-            if count == 1:
-                return rows
-            return rows.reshape(count, self.batch_size, *v.shape[1:])
-
+        start = step % self.steps_per_epoch
+        if count == 1:
+            cut = lambda v: jax.lax.dynamic_index_in_dim(v, start, keepdims=False)  # noqa: E731
+        else:
+            cut = lambda v: jax.lax.dynamic_slice_in_dim(v, start, count)  # noqa: E731
         return {k: cut(v) for k, v in self.arrays.items()}
 
     def batch_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
         """Shapes and dtypes of one batch (nothing runs on the device)."""
         return {
-            k: jax.ShapeDtypeStruct((self.batch_size, *v.shape[1:]), v.dtype)
+            k: jax.ShapeDtypeStruct((self.batch_size, *v.shape[2:]), v.dtype)
             for k, v in self.arrays.items()
         }
 
@@ -90,12 +95,18 @@ _ORDER_BYTES = 1 << 20  # budget for epoch orders made ahead (`ArrayLoader.order
 
 @jax.jit
 def _permute(arrays: dict[str, jax.Array], idx: jax.Array) -> dict[str, jax.Array]:
-    # idx is a permutation: in range and unique by construction, so "clip"
-    # skips the out-of-bounds masking of the default mode.
-    return {
-        k: jnp.take(v, idx, axis=0, mode="clip", unique_indices=True)
-        for k, v in arrays.items()
-    }
+    """Rows of ``[batches, batch_size, ...]`` arrays put in the order ``idx``
+    (over the flattened rows)."""
+
+    def one(v: jax.Array) -> jax.Array:
+        flat = v.reshape(-1, *v.shape[2:])
+        # idx is a permutation: in range and unique by construction, so "clip"
+        # skips the out-of-bounds masking of the default mode.
+        return jnp.take(flat, idx, axis=0, mode="clip", unique_indices=True).reshape(
+            v.shape
+        )
+
+    return {k: one(v) for k, v in arrays.items()}
 
 
 class ArrayLoader:
@@ -103,7 +114,8 @@ class ArrayLoader:
 
     Args:
       arrays: Name → array; all share their first axis (the examples).
-      batch_size: Examples per batch.
+      batch_size: Examples per batch: the global batch, over all devices and
+        processes.
       shuffle: Shuffle each epoch with ``np.random.default_rng([seed, epoch])``.
       seed: The shuffling seed.
       drop_remainder: Drop the last partial batch of each epoch (the default:
@@ -111,13 +123,29 @@ class ArrayLoader:
       on_device: Keep the arrays on the device and give `pztrain.fit` one
         `IndexedBatches` per epoch (the device copy is permuted once per
         epoch), so that the step slices its own batch: no per-step host work.
-        For data that fits in device memory twice (during the permutation);
-        needs ``drop_remainder=True``.
+        For data that fits in device memory twice (during the permutation;
+        on a mesh, each device holds only its share); needs
+        ``drop_remainder=True``.
+      sharding: For a mesh: the `jax.sharding.NamedSharding` of one batch, its
+        spec naming the mesh axes the batch axis is split over (e.g.
+        ``NamedSharding(mesh, P("data"))``); ``batch_size`` must divide by the
+        number of those shards. On the host, each process then yields only
+        its rows of every global batch (its contiguous block, in process
+        order), for `put_batch` to assemble; on the device, each epoch is
+        placed sharded ``P(None, data)`` from the host, every device holding
+        only its rows of every batch (its share of the data). The batches are
+        the same as without a mesh: the order depends on ``(seed, epoch)``
+        alone.
+      process_index: This process (default ``jax.process_index()`` with a
+        ``sharding``, else 0).
+      process_count: The processes sharing each batch (default
+        ``jax.process_count()`` with a ``sharding``, else 1).
 
     Raises:
       BatchError: if the arrays are not a dict of equally long numeric arrays
-        (naming the column), hold no examples, or ``batch_size`` exceeds the
-        data with ``drop_remainder=True``.
+        (naming the column), hold no examples, ``batch_size`` exceeds the
+        data with ``drop_remainder=True``, or does not divide by the data
+        shards or processes.
 
     Example:
       >>> import numpy as np
@@ -128,6 +156,10 @@ class ArrayLoader:
       [[0, 1, 2, 3], [4, 5, 6, 7]]
       >>> loader.batch_at(3)["x"].tolist()  # epoch 1, batch 1
       [4, 5, 6, 7]
+      >>> half = ArrayLoader({"x": np.arange(10)}, batch_size=4, shuffle=False,
+      ...                    process_index=1, process_count=2)
+      >>> half.batch_at(0)["x"].tolist()  # process 1's rows of the batch
+      [2, 3]
     """
 
     def __init__(
@@ -139,16 +171,20 @@ class ArrayLoader:
         seed: int = 0,
         drop_remainder: bool = True,
         on_device: bool = False,
+        sharding: NamedSharding | None = None,
+        process_index: int | None = None,
+        process_count: int | None = None,
     ):
         if not _is_int(batch_size) or batch_size < 1:
             raise BatchError(f"batch_size must be an int >= 1; got {batch_size!r}.")
-        self.arrays = _columns(arrays)
+        self.arrays = loader_columns(arrays)
         self.num_examples = check_batch(self.arrays)
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
         self.drop_remainder = drop_remainder
         self.on_device = on_device
+        self.sharding = sharding
         self._device_arrays: dict[str, jax.Array] | None = None
         self._device_order: np.ndarray | None = None  # example held by each row
         self._device_epoch: int | None = None  # the epoch it is arranged for
@@ -163,12 +199,25 @@ class ArrayLoader:
                 f"batch_size={batch_size} exceeds the {self.num_examples} examples; "
                 "with drop_remainder=True no batch would be made."
             )
+        _check_sharding(sharding, batch_size, drop_remainder)
+        self._rows = _host_rows(batch_size, sharding, process_index, process_count)
 
     @property
     def steps_per_epoch(self) -> int:
         """Batches per epoch."""
         full, rest = divmod(self.num_examples, self.batch_size)
         return full + (1 if rest and not self.drop_remainder else 0)
+
+    def batch_sharding(self, steps_per_call: int = 1) -> NamedSharding | None:
+        """The sharding of a batch fed to the step (``None`` without a mesh):
+        ``sharding``, behind a leading unsharded axis if ``steps_per_call > 1``."""
+        if self.sharding is None or steps_per_call == 1:
+            return self.sharding
+        spec = PartitionSpec(None, *self.sharding.spec)
+        return NamedSharding(self.sharding.mesh, spec)
+
+    def _epoch_sharding(self) -> NamedSharding:
+        return self.batch_sharding(steps_per_call=2)
 
     def order(self, epoch: int) -> np.ndarray:
         """The example order of ``epoch``: a function of ``(seed, epoch)`` only.
@@ -193,44 +242,95 @@ class ArrayLoader:
         order.flags.writeable = False
         return order
 
-    def batch_at(self, step: int) -> dict[str, np.ndarray]:
-        """The batch that global step ``step`` trains on."""
-        epoch, index = divmod(step, self.steps_per_epoch)
-        idx = self.order(epoch)[index * self.batch_size : (index + 1) * self.batch_size]
+    def _batch(self, order: np.ndarray, index: int) -> dict[str, np.ndarray]:
+        """This process's rows of batch ``index`` of the epoch in ``order``."""
+        start, stop = self._rows
+        first = index * self.batch_size
+        idx = order[first + start : first + stop]
         return {k: v[idx] for k, v in self.arrays.items()}
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        """The batch that global step ``step`` trains on (this process's rows)."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        return self._batch(self.order(epoch), index)
 
     def device_epoch(self, epoch: int) -> IndexedBatches:
         """The batches of ``epoch``, as `IndexedBatches` on the device.
 
-        The arrays are moved to the device once. Each new epoch then permutes the
-        device copy into its order with one jitted gather (sending one int32
-        index per example); the previous arrangement is dropped, so one copy of
-        the data stays on the device (two during the permutation).
+        Without a ``sharding``, the arrays are moved to the device once; each new
+        epoch then permutes the device copy into its order with one jitted
+        gather (sending one int32 index per row), and the previous arrangement
+        is dropped: one copy of the data stays on the device (two during the
+        permutation). With a ``sharding``, each new epoch is placed from the
+        host, sharded ``P(None, data)``: every device receives only its rows of
+        every batch (its share of the data; no gather across devices), and each
+        process sends only to its own devices.
         """
-        if self._device_arrays is None:
-            self._device_arrays = jax.device_put(self.arrays)
-            self._device_order = np.arange(self.num_examples)
-        if self.shuffle and self._device_epoch != epoch:
-            order = self.order(epoch)
-            # Row i of the device copy holds example _device_order[i]; the rows
-            # wanted are those holding order[0], order[1], ...
-            where = np.empty_like(self._device_order)
-            where[self._device_order] = np.arange(self.num_examples)
-            # The index goes to the jitted gather as a NumPy array: jit's own
-            # transfer is much cheaper than a separate jax.device_put.
-            idx = where[order].astype(np.int32)
-            self._device_arrays = _permute(self._device_arrays, idx)
-            self._device_order, self._device_epoch = order, epoch
+        if self.sharding is not None:
+            if self._device_arrays is None or (
+                self.shuffle and self._device_epoch != epoch
+            ):
+                self._device_arrays = None  # drop the last epoch first
+                self._device_arrays = self._place_sharded(self.order(epoch))
+                self._device_epoch = epoch
+        else:
+            if self._device_arrays is None:
+                self._device_arrays = self._place()
+            if self.shuffle and self._device_epoch != epoch:
+                self._rearrange(self.order(epoch))
+                self._device_epoch = epoch
         return IndexedBatches(
             self._device_arrays, self.batch_size, self.steps_per_epoch
         )
+
+    def _padded_rows(self) -> int:
+        """Rows of the device layout: whole batches, the last one padded."""
+        return -(-self.num_examples // self.batch_size) * self.batch_size
+
+    def _place(self) -> dict[str, jax.Array]:
+        """The data on the device as ``[batches, batch_size, ...]``, padded."""
+        rows = self._padded_rows()
+        self._device_order = np.arange(rows)  # padding rows: "examples" >= n
+        ids = np.minimum(self._device_order, self.num_examples - 1)
+        return jax.device_put(self._host_epoch(ids))
+
+    def _host_epoch(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        shape = (-1, self.batch_size)
+        return {k: v[ids].reshape(*shape, *v.shape[1:]) for k, v in self.arrays.items()}
+
+    def _place_sharded(self, order: np.ndarray) -> dict[str, jax.Array]:
+        """Epoch ``order`` on the mesh, each device's block read from the host."""
+        pad = self._padded_rows() - self.num_examples  # pad < batch_size <= n
+        ids = np.concatenate([order, order[:pad]]).reshape(-1, self.batch_size)
+        sharding = self._epoch_sharding()
+
+        def place(v: np.ndarray) -> jax.Array:
+            shape = (*ids.shape, *v.shape[1:])
+            return jax.make_array_from_callback(
+                shape, sharding, lambda i: v[ids[i[:2]]][(slice(None),) * 2 + i[2:]]
+            )
+
+        return {k: place(v) for k, v in self.arrays.items()}
+
+    def _rearrange(self, order: np.ndarray) -> None:
+        """Permutes the device copy into ``order`` (padding rows last)."""
+        rows = len(self._device_order)
+        order = np.concatenate([order, np.arange(self.num_examples, rows)])
+        # Row i of the device copy holds example _device_order[i]; the rows
+        # wanted are those holding order[0], order[1], ...
+        where = np.empty_like(self._device_order)
+        where[self._device_order] = np.arange(rows)
+        # The index goes to the jitted gather as a NumPy array: jit's own
+        # transfer is much cheaper than a separate jax.device_put.
+        idx = where[order].astype(np.int32)
+        self._device_arrays = _permute(self._device_arrays, idx)
+        self._device_order = order
 
     def epoch(self, epoch: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """The batches of one epoch (for evaluation: one pass over the data)."""
         order = self.order(epoch)
         for i in range(self.steps_per_epoch):
-            idx = order[i * self.batch_size : (i + 1) * self.batch_size]
-            yield {k: v[idx] for k, v in self.arrays.items()}
+            yield self._batch(order, i)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self.epoch(0)
@@ -241,7 +341,7 @@ class ArrayLoader:
     def iter_from_step(
         self, step: int, steps_per_call: int = 1
     ) -> Iterator[dict[str, np.ndarray]]:
-        """Batches from global step ``step`` on, endlessly.
+        """Batches from global step ``step`` on, endlessly (this process's rows).
 
         With ``steps_per_call=k`` each item stacks the batches of ``k``
         consecutive steps along a new leading axis.
@@ -262,9 +362,8 @@ class ArrayLoader:
             if index == per_epoch:
                 epoch, index = epoch + 1, 0
                 order = self.order(epoch)
-            idx = order[index * self.batch_size : (index + 1) * self.batch_size]
+            batch = self._batch(order, index)
             index += 1
-            batch = {k: v[idx] for k, v in self.arrays.items()}
             if steps_per_call == 1:
                 yield batch
                 continue
@@ -274,117 +373,40 @@ class ArrayLoader:
                 pending = []
 
 
+def _check_sharding(sharding: Any, batch_size: int, drop_remainder: bool) -> None:
+    if sharding is None:
+        return
+    if not isinstance(sharding, NamedSharding):
+        raise BatchError(
+            "ArrayLoader's sharding must be a jax.sharding.NamedSharding of one "
+            "batch (e.g. NamedSharding(mesh, P('data'))); got "
+            f"{type(sharding).__name__}."
+        )
+    shards = data_shards(sharding)
+    if batch_size % shards:
+        raise BatchError(
+            f"batch_size={batch_size} (the global batch) does not divide into the "
+            f"{shards} data shards of {sharding.spec} on a mesh of shape "
+            f"{dict(sharding.mesh.shape)}; pass a multiple of {shards} (each shard "
+            f"gets batch_size / {shards} rows)."
+        )
+    if not drop_remainder:
+        raise BatchError(
+            "ArrayLoader with a sharding splits every batch evenly over the data "
+            "shards, so all batches must be full: use drop_remainder=True."
+        )
+
+
+def _host_rows(
+    batch_size: int, sharding: Any, index: int | None, count: int | None
+) -> tuple[int, int]:
+    """The rows of each global batch this process yields on the host."""
+    if index is None:
+        index = 0 if sharding is None else jax.process_index()
+    if count is None:
+        count = 1 if sharding is None else jax.process_count()
+    return process_rows(batch_size, index, count)
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _columns(arrays: Any) -> dict[str, np.ndarray]:
-    """`ArrayLoader`'s arrays as NumPy arrays, checked column by column."""
-    if not hasattr(arrays, "keys"):  # a dict, or what dict() reads as one
-        raise BatchError(
-            "ArrayLoader takes a dict name -> array (e.g. {'x': x, 'y': y}; the "
-            f"names are the loss function's arguments); got {type(arrays).__name__}."
-        )
-    columns = {}
-    for name, value in dict(arrays).items():
-        if not isinstance(name, str):
-            raise BatchError(
-                "ArrayLoader's column names must be strings (the loss function's "
-                f"arguments); got {name!r}."
-            )
-        columns[name] = _column(name, value)
-    if not columns:
-        raise BatchError("ArrayLoader needs at least one column; got an empty dict.")
-    if all(c.shape[:1] == (0,) for c in columns.values()):
-        name, column = next(iter(columns.items()))
-        raise BatchError(
-            f"ArrayLoader got 0 examples (column {name!r} has shape "
-            f"{list(column.shape)}); pass at least one example."
-        )
-    return columns
-
-
-def _column(name: str, value: Any) -> np.ndarray:
-    if value is None or isinstance(value, Mapping):
-        got = "None" if value is None else f"a {type(value).__name__}"
-        raise BatchError(
-            f"Column {name!r} is {got}; ArrayLoader takes one array per name (a "
-            "flat dict of arrays)."
-        )
-    try:
-        column = np.asarray(value)
-    except ValueError as e:  # ragged nested lists
-        raise BatchError(
-            f"Column {name!r} is not a rectangular array ({e}); give every example "
-            "the same shape (pad them)."
-        ) from None
-    if not (jnp.issubdtype(column.dtype, jnp.number) or column.dtype == np.bool_):
-        raise BatchError(
-            f"Column {name!r} has dtype {column.dtype}, not numbers or bools; "
-            "encode it as numbers first (e.g. token ids for strings): only "
-            "numeric arrays enter jit."
-        )
-    return column
-
-
-_DONE = object()
-
-
-def prefetch_to_device(
-    iterator: Iterable[Any],
-    size: int = 2,
-    sharding: Any = None,
-    *,
-    put: Any = None,
-) -> Iterator[Any]:
-    """Moves batches to the device in a background thread, ``size`` ahead.
-
-    The host prepares and transfers the next batches while the device computes.
-    An exception raised by the source is re-raised here, in order.
-
-    Args:
-      iterator: Batches (pytrees of arrays).
-      size: How many batches to keep ready.
-      sharding: Optional sharding for ``jax.device_put``.
-      put: Replaces ``jax.device_put(item, sharding)`` as the per-item transfer.
-
-    Yields:
-      The batches, as device arrays.
-
-    Example:
-      >>> import numpy as np
-      >>> [b["x"].sum().item() for b in prefetch_to_device([{"x": np.ones(3)}] * 2)]
-      [3.0, 3.0]
-    """
-    if put is None:
-        put = lambda item: jax.device_put(item, sharding)  # noqa: E731
-    q: queue.Queue = queue.Queue(maxsize=size)
-    stop = threading.Event()
-
-    def work():
-        try:
-            for item in iterator:
-                if stop.is_set():
-                    return
-                q.put(put(item))
-            q.put(_DONE)
-        except BaseException as e:  # re-raised in the consumer
-            q.put(e)
-
-    thread = threading.Thread(target=work, daemon=True, name="pztrain-prefetch")
-    thread.start()
-    try:
-        while True:
-            item = q.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        while thread.is_alive():  # unblock a producer waiting on a full queue
-            try:
-                q.get_nowait()
-            except queue.Empty:
-                thread.join(timeout=0.01)

@@ -114,7 +114,7 @@ def fit(
         hooks = Hooks([*bar, *callbacks, RecordLog(history, loggers), *ckpts])
         run = _Run(
             train_step=train_step,
-            source=batch_source(train_data, start, k, prefetch),
+            source=batch_source(train_data, start, k, prefetch, _sharding(train_step)),
             schedule=schedule,
             hooks=hooks,
             reporter=Reporter(hooks, clock, state, start),
@@ -323,6 +323,11 @@ def _default_loggers(run_dir, start: int, resume: bool, given) -> list[Logger]:
     resumed = resume and start > 0
     log = JsonlLogger(run_dir, resume_step=start or None, drop_later=resumed)
     return [log, *(given or ())]
+
+
+def _sharding(train_step: TrainStep) -> Any:
+    """Where the step wants its batches (``None``: the default device)."""
+    return getattr(train_step, "batch_sharding", None)
 
 
 def _epoch_length(train_data: Any) -> int | None:

@@ -12,13 +12,12 @@ next host point, each with the number of calls to run on it:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
-import jax
-
 from pztrain._batch import BatchError, check_batch, stack_batches
-from pztrain.data import ArrayLoader, prefetch_to_device
+from pztrain.data import ArrayLoader, prefetch_to_device, put_batch
 
 __all__ = ["BatchSource", "DeviceEpochs", "HostBatches", "batch_source"]
 
@@ -40,17 +39,31 @@ class BatchSource(Protocol):
 
 
 def batch_source(
-    data: ArrayLoader | Iterable[Any], start: int, steps_per_call: int, prefetch: int
+    data: ArrayLoader | Iterable[Any],
+    start: int,
+    steps_per_call: int,
+    prefetch: int,
+    sharding: Any = None,
 ) -> BatchSource:
-    """The source for ``fit``'s ``train_data``, positioned at step ``start``."""
+    """The source for ``fit``'s ``train_data``, positioned at step ``start``.
+
+    Host batches go straight to ``sharding`` (the step's batch sharding; else
+    an `ArrayLoader`'s own), built from each process's rows across processes
+    (`pztrain.data.put_batch`).
+    """
     if isinstance(data, ArrayLoader) and data.on_device:
         return DeviceEpochs(data, start, steps_per_call)
     if isinstance(data, ArrayLoader):
+        if sharding is None:
+            sharding = data.batch_sharding(steps_per_call)
         items = ((b, False) for b in data.iter_from_step(start, steps_per_call))
     else:
         items = _passes(data, steps_per_call)
+    put = functools.partial(_put_pair, sharding=sharding)
     if prefetch:
-        items = prefetch_to_device(items, prefetch, put=_put_pair)
+        items = prefetch_to_device(items, prefetch, put=put)
+    elif sharding is not None:  # a global array needs building even so
+        items = map(put, items)
     return HostBatches(items, steps_per_call)
 
 
@@ -149,6 +162,6 @@ def _groups(source: Iterator[Any], k: int) -> Iterator[Any]:
             group = []
 
 
-def _put_pair(pair: tuple[Any, bool]) -> tuple[Any, bool]:
+def _put_pair(pair: tuple[Any, bool], sharding: Any) -> tuple[Any, bool]:
     batch, ends_pass = pair
-    return jax.device_put(batch), ends_pass
+    return put_batch(batch, sharding), ends_pass
