@@ -136,6 +136,7 @@ def main() -> None:
     def ratios(base):
         totals = [[s + load for s, load in rows[name]] for name in (base, "pztrain")]
         return [p / n for n, p in zip(*totals, strict=True)]
+
     print(
         f"jax {jax.__version__}, {os.cpu_count()} CPUs, {total:,} float32 params, "
         f"{trials} interleaved trials (medians)"

@@ -127,7 +127,7 @@ def compare(name, rules, mesh, data, steps, rounds, width, depth):
     )
     state = pztrain.sharded_initial_state(make, mesh, rules)
     sharding = pztrain.sharding.data_sharding(mesh)
-    x, y = (pztrain.sharding.place_batch(v, sharding) for v in data)
+    x, y = (pztrain.put_batch(v, sharding) for v in data)
     raw, raw_text = build_raw(state, sharding, x, y)
     pz_run, pz_text = build_pztrain(state, mesh, x, y)
     for run in (raw, pz_run):  # compile and warm up

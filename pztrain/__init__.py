@@ -36,7 +36,7 @@ from pztrain.checkpoint import (
     save_state,
 )
 from pztrain.checkpoints import Checkpoints
-from pztrain.data import ArrayLoader, BatchError
+from pztrain.data import ArrayLoader, BatchError, put_batch
 from pztrain.loggers import JsonlLogger, TensorBoardLogger
 from pztrain.loop import evaluate, fit
 from pztrain.partition import ApplyFnModel, ParamSlot, PartitionError
@@ -104,6 +104,7 @@ __all__ = [
     "mixed_precision",
     "partition",
     "precision",
+    "put_batch",
     "read_metadata",
     "save_params",
     "save_state",

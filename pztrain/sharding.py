@@ -59,7 +59,6 @@ __all__ = [
     "ShardingRules",
     "data_sharding",
     "param_specs",
-    "place_batch",
     "shard_state",
     "sharded_initial_state",
     "state_shardings",
@@ -417,26 +416,3 @@ def data_sharding(
             )
     spec = P(data_axis) if steps_per_call == 1 else P(None, data_axis)
     return NamedSharding(mesh, spec)
-
-
-def place_batch(batch: Any, sharding: NamedSharding) -> Any:
-    """Every leaf of ``batch`` on ``sharding`` (leaves already there are kept).
-
-    With several processes, each process's arrays are its own rows of the
-    global batch (``jax.make_array_from_process_local_data``).
-
-    Example:
-      >>> import jax, numpy as np
-      >>> sharding = data_sharding(jax.make_mesh((1,), ("data",)))
-      >>> place_batch({"x": np.ones((4, 2))}, sharding)["x"].sharding == sharding
-      True
-    """
-    return jax.tree.map(lambda x: _place_leaf(x, sharding), batch)
-
-
-def _place_leaf(x: Any, sharding: NamedSharding) -> jax.Array:
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x
-    if sharding.is_fully_addressable:
-        return jax.device_put(x, sharding)
-    return jax.make_array_from_process_local_data(sharding, np.asarray(x))

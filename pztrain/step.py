@@ -20,11 +20,12 @@ from jax.sharding import Mesh
 
 from pztrain import _step_fns
 from pztrain._donation import raise_if_donated
+from pztrain._placement import put_batch
 from pztrain._programs import Found, KeepShardings, Programs, TrainPrograms, args_of
 from pztrain._step_fns import Carry, Inputs, OnDeviceBatches, Static, StepOutputs
 from pztrain.eval_step import EvalFunction, EvalStep, build_eval_step
 from pztrain.metrics import MetricSums, metric_names
-from pztrain.sharding import data_sharding, place_batch
+from pztrain.sharding import data_sharding
 from pztrain.state import TrainState, after_step
 
 __all__ = [
@@ -213,7 +214,7 @@ class TrainStep:
             (state.step, state.params, state.opt_state, state.loss_fn_state, sums),
         )
         if self.batch_sharding is not None and isinstance(batch, Mapping):
-            batch = place_batch(batch, self.batch_sharding)
+            batch = _on_mesh(batch, self.batch_sharding)
         inputs = _make(Inputs, (found.key_data, found.rest, batch))
         step = found.program.step
         try:
@@ -289,7 +290,7 @@ class TrainStep:
         found = self._lookup(state)
         batch = _one_batch(batch, arrays)
         if self.batch_sharding is not None and isinstance(batch, Mapping):
-            batch = place_batch(batch, self.batch_sharding)
+            batch = _on_mesh(batch, self.batch_sharding)
         return found.program.step.lower(*args_of(state, found, batch))
 
     def _lookup(self, state: TrainState) -> Found:
@@ -299,6 +300,18 @@ class TrainStep:
 
 
 _make = tuple.__new__
+
+
+def _on_mesh(batch: Mapping[str, Any], sharding: Any) -> Any:
+    """A batch on the step's mesh: as it is if every leaf is there already (what
+    `pztrain.fit` passes), else put there (`put_batch`)."""
+    devices = sharding.device_set
+    leaves = jax.tree.leaves(batch)
+    if all(
+        isinstance(x, jax.Array) and x.sharding.device_set == devices for x in leaves
+    ):
+        return batch
+    return put_batch(batch, sharding)
 
 
 def _one_batch(batch: Any, arrays: dict[str, Any]) -> Any:
