@@ -100,6 +100,7 @@ class Checkpoints(Callback):
         self._stale: list[int] = []  # another run's steps, deleted at the start
         self._saves = self._ranked = 0  # saves this run, and those with monitor
         self._running = False  # between on_train_start and on_train_end
+        self.continues_run = False  # see prepare
 
     # -- the orbax manager
 
@@ -268,6 +269,9 @@ class Checkpoints(Callback):
         Checks that the directory can be written. With ``resume``, returns
         `restore_latest` (or ``state``); without, the directory must hold no
         checkpoint (``overwrite=True`` deletes them when training starts).
+        Sets ``continues_run``: ``resume`` into a directory that existed (a run
+        started there, maybe killed before its first checkpoint), whose log
+        `pztrain.fit` may then continue from the restored step (or step 0).
 
         Raises:
           CheckpointError: if the directory cannot be written or holds another
@@ -277,7 +281,9 @@ class Checkpoints(Callback):
         self._failed = None
         self.wait()  # a save still pending from a run before (raises its error)
         self._new_run()
+        existed = self.directory.is_dir()  # a run started here (maybe killed early)
         _ckpt_dir.check_writable(self.directory)
+        self.continues_run = resume and existed
         if resume:
             return self.restore_latest(state, callbacks) or state
         steps = self.steps()

@@ -108,7 +108,8 @@ def fit(
         schedule = Schedule(
             start, end, k, log_every, eval_every, per_epoch, num_epochs, evaluates
         )
-        loggers, bar = _outputs(loggers, run_dir, start, resume, progress, callbacks)
+        resumed = resume and checkpoints.continues_run  # its log continues
+        loggers, bar = _outputs(loggers, run_dir, start, resumed, progress, callbacks)
         history, clock = History(), time.perf_counter
         ckpts = [] if checkpoints is None else [checkpoints]
         hooks = Hooks([*bar, *callbacks, RecordLog(history, loggers), *ckpts])
@@ -300,28 +301,29 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _outputs(loggers, run_dir, start, resume, progress, callbacks):
+def _outputs(loggers, run_dir, start, resumed, progress, callbacks):
     """The run's loggers and progress bar: on process 0 only, so that a run of
     several processes writes one log and shows one bar."""
     if jax.process_index() != 0:
         return [], []
-    loggers = _default_loggers(run_dir, start, resume, loggers)
+    loggers = _default_loggers(run_dir, start, resumed, loggers)
     return loggers, _progress_bar(progress, callbacks)
 
 
-def _default_loggers(run_dir, start: int, resume: bool, given) -> list[Logger]:
+def _default_loggers(run_dir, start: int, resumed: bool, given) -> list[Logger]:
     """``given`` after a `JsonlLogger` in ``run_dir`` (if given, unless ``given``
-    is ``[]`` or holds one) that continues its log from ``start``. Only a run
-    resumed from a checkpoint drops the records after it; any other run refuses
-    a log that holds records after ``start``."""
+    is ``[]`` or holds one) that continues its log from ``start``. Only a
+    resumed run (``resumed``: its checkpoint directory was used before) drops
+    the records after it; any other run refuses a log that holds records after
+    ``start``."""
     if (
         run_dir is None
         or given == []
         or any(isinstance(g, JsonlLogger) for g in given or ())
     ):
         return list(given or ())
-    resumed = resume and start > 0
-    log = JsonlLogger(run_dir, resume_step=start or None, drop_later=resumed)
+    since = start if resumed else start or None
+    log = JsonlLogger(run_dir, resume_step=since, drop_later=resumed)
     return [log, *(given or ())]
 
 

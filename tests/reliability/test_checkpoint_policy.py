@@ -441,3 +441,17 @@ def test_resume_refuses_a_checkpoint_of_a_newer_format(tmp_path):
     with pytest.raises(CheckpointMismatchError, match="newer pztrain .*upgrade"):
         train(new_state(), ckpt, num_steps=6, log_every=2, resume=True)
     assert _files(tmp_path) == before  # not set aside as unreadable
+
+
+def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(tmp_path):
+    """The checkpoint directory exists (the run started) but holds no checkpoint:
+    resume=True starts over and its log replaces the killed attempt's records."""
+    ckpt_dir = tmp_path / "ckpt"
+    ckpt_dir.mkdir()  # what the killed run's start left
+    train(new_state(), None, num_steps=4, log_every=2, run_dir=tmp_path / "run")
+    train(
+        new_state(), pztrain.Checkpoints(ckpt_dir, every_steps=8), num_steps=4,
+        log_every=2, run_dir=tmp_path / "run", resume=True,
+    )  # fmt: skip
+    steps = [r["step"] for r in read_jsonl(tmp_path / "run")]
+    assert steps == [2, 4]
