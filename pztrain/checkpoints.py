@@ -1,9 +1,8 @@
 """`Checkpoints`: periodic full-state checkpoints during `pztrain.fit`, and resume.
 
-The policy (when to save, which checkpoints to keep, resuming from the newest
-readable one, what a directory may already hold) lives here, over an orbax
-``CheckpointManager``; what a checkpoint holds on disk is `pztrain.checkpoint`'s
-format.
+The policy (when to save, what to keep, resuming from the newest readable one,
+what a directory may hold) over an orbax ``CheckpointManager``; the format on
+disk is `pztrain.checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -40,8 +39,7 @@ class Checkpoints(Callback):
     KeyboardInterrupt included; outside them, `save` returns once the
     checkpoint is on disk, so a program that ends right after it loses nothing.
 
-    What it guarantees (no record lost on resume, nothing dropped silently, no
-    NaN saved) is listed in README's checkpoint section.
+    Its guarantees are listed in README's checkpoint section.
 
     Args:
       directory: The root directory; each checkpoint is ``<directory>/<step>``.
@@ -269,9 +267,7 @@ class Checkpoints(Callback):
         Checks that the directory can be written. With ``resume``, returns
         `restore_latest` (or ``state``); without, the directory must hold no
         checkpoint (``overwrite=True`` deletes them when training starts).
-        Sets ``continues_run``: ``resume`` into a directory that existed (a run
-        started there, maybe killed before its first checkpoint), whose log
-        `pztrain.fit` may then continue from the restored step (or step 0).
+        ``continues_run``: ``resume`` into a directory a run used (its log goes on).
 
         Raises:
           CheckpointError: if the directory cannot be written or holds another
@@ -281,9 +277,8 @@ class Checkpoints(Callback):
         self._failed = None
         self.wait()  # a save still pending from a run before (raises its error)
         self._new_run()
-        existed = self.directory.is_dir()  # a run started here (maybe killed early)
+        self.continues_run = resume and self.directory.is_dir()  # maybe killed early
         _ckpt_dir.check_writable(self.directory)
-        self.continues_run = resume and existed
         if resume:
             return self.restore_latest(state, callbacks) or state
         steps = self.steps()

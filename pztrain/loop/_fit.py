@@ -108,10 +108,9 @@ def fit(
         schedule = Schedule(
             start, end, k, log_every, eval_every, per_epoch, num_epochs, evaluates
         )
-        resumed = resume and checkpoints.continues_run  # its log continues
-        loggers, bar = _outputs(loggers, run_dir, start, resumed, progress, callbacks)
-        history, clock = History(), time.perf_counter
         ckpts = [] if checkpoints is None else [checkpoints]
+        loggers, bar = _outputs(loggers, run_dir, start, ckpts, progress, callbacks)
+        history, clock = History(), time.perf_counter
         hooks = Hooks([*bar, *callbacks, RecordLog(history, loggers), *ckpts])
         run = _Run(
             train_step=train_step,
@@ -301,11 +300,13 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _outputs(loggers, run_dir, start, resumed, progress, callbacks):
+def _outputs(loggers, run_dir, start, ckpts, progress, callbacks):
     """The run's loggers and progress bar: on process 0 only, so that a run of
-    several processes writes one log and shows one bar."""
+    several processes writes one log and shows one bar. A resumed run's log
+    goes on from ``start`` (`Checkpoints.prepare` says whether it resumed)."""
     if jax.process_index() != 0:
         return [], []
+    resumed = any(c.continues_run for c in ckpts)
     loggers = _default_loggers(run_dir, start, resumed, loggers)
     return loggers, _progress_bar(progress, callbacks)
 
