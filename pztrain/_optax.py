@@ -1,4 +1,5 @@
-"""What pztrain asks of optax: one update, and finding states in an optimizer state.
+"""What pztrain asks of optax: one update, finding states in an optimizer state,
+and reading or setting injected hyperparameters.
 
 An optimizer state is a pytree of optax state objects (``ScaleByAdamState``,
 ``InjectHyperparamsState``, ``ApplyIfFiniteState`` …), nested inside
@@ -7,16 +8,20 @@ An optimizer state is a pytree of optax state objects (``ScaleByAdamState``,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 __all__ = [
+    "HyperparamsView",
     "check_optimizer",
     "injected_hyperparams",
     "optimizer_update",
     "states_of",
+    "set_hyperparams",
 ]
 
 
@@ -54,16 +59,66 @@ def states_of(opt_state: Any, *kinds: type) -> list[Any]:
     return [x for x in jax.tree.leaves(opt_state, is_leaf=is_kind) if is_kind(x)]
 
 
-def injected_hyperparams(opt_state: Any) -> dict[str, Any]:
-    """The hyperparameters ``optax.inject_hyperparams`` keeps, merged into one dict.
+_INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
+class HyperparamsView(Mapping):
+    """A read-only mapping name → value of the injected hyperparameters.
+
+    Reading works as for a dict; writing raises a `TypeError` that points to
+    ``TrainState.with_hyperparams`` (a write into a copy would do nothing).
+
+    Example:
+      >>> view = HyperparamsView({"learning_rate": 0.1})
+      >>> view["learning_rate"], list(view)
+      (0.1, ['learning_rate'])
+      >>> view["learning_rate"] = 0.01
+      Traceback (most recent call last):
+      ...
+      TypeError: state.hyperparams is read-only (a TrainState is immutable); ...
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: dict[str, Any]):
+        self._values = dict(values)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"HyperparamsView({self._values!r})"
+
+    def _refuse(self, name: str = "learning_rate", *_: Any) -> None:
+        if not isinstance(name, str) or not name.isidentifier():
+            name = "learning_rate"
+        raise TypeError(
+            "state.hyperparams is read-only (a TrainState is immutable); set a "
+            f"hyperparameter with state = state.with_hyperparams({name}=0.01), "
+            "which returns a new state."
+        )
+
+    __setitem__ = __delitem__ = _refuse
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """Refused, as item assignment: use ``TrainState.with_hyperparams``."""
+        self._refuse(next(iter(kwargs), "learning_rate"))
+
+
+def injected_hyperparams(opt_state: Any) -> HyperparamsView:
+    """The hyperparameters ``optax.inject_hyperparams`` keeps, merged (read-only).
 
     Raises:
       ValueError: if there are none, or two injected transformations use the
         same name.
     """
-    found = states_of(
-        opt_state, optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState
-    )
+    found = states_of(opt_state, *_INJECTED)
     if not found:
         raise ValueError(
             "The optimizer state holds no injected hyperparameters. Wrap the "
@@ -80,4 +135,80 @@ def injected_hyperparams(opt_state: Any) -> dict[str, Any]:
                     "(state.opt_state[i].hyperparams)."
                 )
             merged[name] = value
-    return merged
+    return HyperparamsView(merged)
+
+
+def _settable(found: list[Any], name: str) -> Any:
+    """The one injected state that holds ``name`` (as a number, not a schedule)."""
+    holders = [s for s in found if name in s.hyperparams]
+    if len(holders) > 1:
+        raise ValueError(
+            f"Hyperparameter {name!r} is injected by more than one transformation; "
+            "set it in each optimizer state yourself (state.replace(opt_state=...))."
+        )
+    scheduled = getattr(holders[0], "hyperparams_states", {})
+    if name in scheduled:
+        raise ValueError(
+            f"Hyperparameter {name!r} follows a schedule: optax recomputes it at "
+            "every update, so setting it would do nothing. Inject a number instead "
+            f"(optax.inject_hyperparams(...)({name}=1e-3)) to set it during a run."
+        )
+    return holders[0]
+
+
+def _new_value(name: str, old: Any, value: Any) -> jax.Array:
+    """``value`` as a fresh array of ``old``'s dtype and shape (a copy: the
+    state's buffers are donated by the train step)."""
+    old = jnp.asarray(old)
+    try:
+        new = jnp.array(value, dtype=old.dtype, copy=True)
+    except TypeError as e:
+        raise TypeError(
+            f"Hyperparameter {name!r} must be a number or an array; got "
+            f"{type(value).__name__} ({e})."
+        ) from None
+    if new.shape != old.shape:
+        raise ValueError(
+            f"Hyperparameter {name!r} has shape {old.shape}; got a value of shape "
+            f"{new.shape}."
+        )
+    return new
+
+
+def set_hyperparams(opt_state: Any, values: dict[str, Any]) -> Any:
+    """``opt_state`` with the injected hyperparameters ``values`` set.
+
+    Only the injected states that change are rebuilt; every other leaf is kept.
+
+    Raises:
+      ValueError: naming unknown names (and listing the known ones), a name
+        injected twice, or one that follows a schedule.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> tx = optax.chain(optax.clip(1.0),
+      ...                  optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+      >>> s = set_hyperparams(tx.init(jnp.zeros(2)), {"learning_rate": 0.5})
+      >>> injected_hyperparams(s)["learning_rate"]
+      Array(0.5, dtype=float32)
+    """
+    known = injected_hyperparams(opt_state) if values else {}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(
+            f"Unknown hyperparameter(s) {unknown}; the injected ones are "
+            f"{sorted(known)}."
+        )
+    found = states_of(opt_state, *_INJECTED)
+    changes: dict[int, dict[str, Any]] = {}
+    for name, value in values.items():
+        holder = _settable(found, name)
+        new = _new_value(name, holder.hyperparams[name], value)
+        changes.setdefault(id(holder), {})[name] = new
+
+    def rebuild(x: Any) -> Any:
+        if isinstance(x, _INJECTED) and id(x) in changes:
+            return x._replace(hyperparams={**x.hyperparams, **changes[id(x)]})
+        return x
+
+    return jax.tree.map(rebuild, opt_state, is_leaf=lambda x: isinstance(x, _INJECTED))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -15,7 +15,12 @@ from penzai.core import struct as pz_struct
 
 from pztrain import partition
 from pztrain._donation import DonatedStateError, check_alive
-from pztrain._optax import check_optimizer, injected_hyperparams, optimizer_update
+from pztrain._optax import (
+    check_optimizer,
+    injected_hyperparams,
+    optimizer_update,
+    set_hyperparams,
+)
 from pztrain._tree import describe
 
 __all__ = ["TrainState", "DonatedStateError"]
@@ -337,26 +342,34 @@ class TrainState(pz.Struct):
         return rest.apply_fn
 
     @property
-    def hyperparams(self) -> dict[str, Any]:
+    def hyperparams(self) -> Mapping[str, Any]:
         """Hyperparameters that ``optax.inject_hyperparams`` put in `opt_state`.
 
-        They are found anywhere in the optimizer state (inside ``optax.chain``,
-        ``optax.masked``, ``optax.MultiSteps`` …) and merged into one dict.
-
-        Raises:
-          ValueError: if the optimizer has no injected hyperparameters, or two
-            injected transformations use the same name.
-
-        Example:
-          >>> import jax, jax.numpy as jnp, optax
-          >>> tx = optax.chain(optax.clip_by_global_norm(1.0),
-          ...                  optax.inject_hyperparams(optax.adam)(learning_rate=3e-3))
-          >>> state = TrainState.initial_state({"w": jnp.zeros(2)}, tx,
-          ...                                  jax.random.key(0))
-          >>> state.hyperparams["learning_rate"]
-          Array(0.003, dtype=float32)
+        Found anywhere in the optimizer state (``optax.chain``, ``masked`` …),
+        merged into a read-only mapping: set them with `with_hyperparams`. A
+        `ValueError` if there are none, or two transformations inject one name.
         """
         return injected_hyperparams(self.opt_state)
+
+    def with_hyperparams(self, **values: Any) -> TrainState:
+        """A new state with injected hyperparameters set (``learning_rate=1e-4``).
+
+        Copied into new arrays of the stored dtype, they are used from the next
+        update on (donating steps too). Unknown names, a name injected twice or
+        following a schedule, and a wrong shape are `ValueError` s.
+
+        Example:
+          >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+          >>> state = TrainState.initial_state({"w": jnp.zeros(2)}, tx,
+          ...                                  jax.random.key(0))
+          >>> state = state.with_hyperparams(learning_rate=0.5)
+          >>> state.hyperparams["learning_rate"]
+          Array(0.5, dtype=float32)
+          >>> state.apply_gradients({"w": jnp.ones(2)}).params["w"]
+          Array([-0.5, -0.5], dtype=float32)
+        """
+        self.check_not_donated("state.with_hyperparams(...)")
+        return self.replace(opt_state=set_hyperparams(self.opt_state, values))
 
     def summary(self) -> str:
         """A short text summary: step, parameter counts and bytes per part.
