@@ -210,3 +210,17 @@ def test_penzai_state_variables_are_threaded_through_microbatches():
         state, _ = step(state, x=x, y=y)
     _, state_vars = pz.unbind_state_vars(state.model)
     assert [int(v.value) for v in state_vars] == [2 * M]
+
+
+def test_scalar_batch_leaves_go_whole_to_every_microbatch_also_without_jit():
+    def scaled(*, model, state, rng, x, y, scale):
+        loss, state, _ = mean_loss(model=model, state=state, rng=rng, x=x, y=y)
+        return scale * loss, state, {}
+
+    x, y = _data(9)
+    want, _ = build_train_step(scaled)(_state(), x=x, y=y, scale=3.0)
+    for jit in (True, False):
+        step = build_train_step(scaled, jit=jit, microbatches=M)
+        got, aux = step(_state(), x=x, y=y, scale=jnp.float32(3.0))
+        _close(want.params, got.params, atol=1e-6)
+        assert aux == {}
