@@ -14,6 +14,8 @@ ways (same MLP, same Adam, same data, one process, interleaved repeats, medians)
 - ``scan``: a hand-written ``jax.jit`` step that scans over the ``k`` micro-batches,
   sums their gradients in the scan's carry and applies one Adam update: what a
   ``microbatches=k`` option of the step would compile to.
+- ``microbatches``: pztrain's step built with ``microbatches=k``: that option
+  (one call, the whole batch, split inside the step).
 
 Printed per way: milliseconds per optimizer update, and from XLA's
 ``memory_analysis()`` of the compiled program(s): argument bytes (the state and
@@ -108,13 +110,17 @@ def build(way, args, data):
 
         return run, mem
     tx = optax.adam(1e-3)
-    if way != "full":
+    if way.startswith("multisteps"):
         tx = optax.MultiSteps(tx, every_k_schedule=k)
     state = pztrain.TrainState.initial_state(make_mlp(sizes), tx, key)
     fused = way == "multisteps_fused"
-    step = pztrain.build_train_step(loss_fn, steps_per_call=k if fused else 1)
-    if way == "full" or fused:
-        batch = {"x": x, "y": y} if way == "full" else {"x": xs, "y": ys}
+    step = pztrain.build_train_step(
+        loss_fn,
+        steps_per_call=k if fused else 1,
+        microbatches=k if way == "microbatches" else 1,
+    )
+    if way in ("full", "microbatches") or fused:
+        batch = {"x": xs, "y": ys} if fused else {"x": x, "y": y}
         batches = [batch]
     else:
         batches = [{"x": xs[i], "y": ys[i]} for i in range(k)]
@@ -143,7 +149,7 @@ def main():
         jnp.asarray(rng.standard_normal((args.batch, args.features), np.float32)),
         jnp.asarray(rng.integers(0, 10, args.batch), jnp.int32),
     )
-    ways = ["full", "multisteps", "multisteps_fused", "scan"]
+    ways = ["full", "multisteps", "multisteps_fused", "scan", "microbatches"]
     built = {w: build(w, args, data) for w in ways}
     times: dict[str, list[float]] = {w: [] for w in ways}
     for w in ways:  # warm-up (compiles)

@@ -10,6 +10,7 @@ updates; donated) and `Inputs` (what it reads). Inside: the step key is
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pztrain._batch import check_batch
+from pztrain._microbatches import accumulate, first_microbatch
 from pztrain._optax import optimizer_update
 from pztrain._tree import describe, path_repr
 from pztrain.metrics import MetricSums
@@ -136,19 +138,22 @@ class StepOutputs(NamedTuple):
 StepFn = Callable[[Carry, Inputs], Any]
 
 
-def train_fn(loss_fn, static: Static, optimizer_def, steps_per_call: int) -> StepFn:
+def train_fn(
+    loss_fn, static: Static, optimizer_def, steps_per_call: int, microbatches: int = 1
+) -> StepFn:
     """``(carry, inputs) -> (carry, new_rest, aux)``: ``steps_per_call`` steps.
 
     ``new_rest`` holds the rest's new arrays when the model has state variables
     (else ``None``). ``aux`` is ``None`` when the carry holds metric sums (the
     metrics went into them); with ``steps_per_call=k`` its leaves are stacked
-    along a leading axis ``k``.
+    along a leading axis ``k``. With ``microbatches=m > 1`` each step's loss,
+    grads and aux come from `pztrain._microbatches.accumulate`.
     """
 
     def one(carry: Carry, root_rng, rest, batch) -> tuple[Carry, Any, Any]:
         rng = jax.random.fold_in(root_rng, carry.step)  # the contract's key
-        loss, lfs, aux, new_rest, grads = _loss_and_grads(
-            loss_fn, static.rest, carry, rest, rng, batch
+        loss, lfs, aux, new_rest, grads = _grads(
+            loss_fn, static.rest, carry, rest, rng, batch, microbatches
         )
         params, opt_state = optimizer_update(
             optimizer_def, grads, carry.opt_state, carry.params
@@ -175,14 +180,17 @@ def train_fn(loss_fn, static: Static, optimizer_def, steps_per_call: int) -> Ste
     return run
 
 
-def grads_fn(loss_fn, static: Static) -> StepFn:
-    """``(carry, inputs) -> StepOutputs`` for one batch; nothing is updated."""
+def grads_fn(loss_fn, static: Static, microbatches: int = 1) -> StepFn:
+    """``(carry, inputs) -> StepOutputs`` for one batch; nothing is updated.
+
+    With ``microbatches=m > 1``: the means over ``m`` micro-batches, as a step.
+    """
 
     def run(carry: Carry, inputs: Inputs) -> StepOutputs:
         batch = _batch_of(inputs.batch, carry.step, 1)
         rng = jax.random.fold_in(static.root_rng(inputs.root_rng), carry.step)
-        loss, lfs, aux, _, grads = _loss_and_grads(
-            loss_fn, static.rest, carry, inputs.rest, rng, batch
+        loss, lfs, aux, _, grads = _grads(
+            loss_fn, static.rest, carry, inputs.rest, rng, batch, microbatches
         )
         return StepOutputs(loss, lfs, aux, grads)
 
@@ -205,15 +213,17 @@ def eval_fn(fn, static: Static) -> StepFn:
     return run
 
 
-def aux_fn(loss_fn, static: Static) -> StepFn:
+def aux_fn(loss_fn, static: Static, microbatches: int = 1) -> StepFn:
     """``(carry, inputs) -> aux`` of the loss alone: forward only, no gradient.
 
     For `jax.eval_shape`: the metric names of a step, without tracing its
-    backward pass.
+    backward pass (on the first micro-batch with ``microbatches > 1``).
     """
 
     def run(carry: Carry, inputs: Inputs) -> Any:
         batch = _batch_of(inputs.batch, carry.step, 1)
+        if microbatches > 1:
+            batch = first_microbatch(batch, microbatches)
         rng = jax.random.fold_in(static.root_rng(inputs.root_rng), carry.step)
         model, _ = static.rest.bind(carry.params, inputs.rest)
         out = loss_fn(model=model, state=carry.loss_fn_state, rng=rng, **batch)
@@ -230,17 +240,25 @@ def _batch_of(batch: Any, step: jax.Array, count: int) -> dict[str, Any]:
     return batch
 
 
-def _loss_and_grads(loss_fn, spec: RestSpec, carry: Carry, rest, rng, batch):
+def _grads(loss_fn, spec: RestSpec, carry: Carry, rest, rng, batch, m: int):
     """``(loss, new_loss_fn_state, aux, new_rest, grads)`` of one step."""
+    one = functools.partial(_loss_and_grads, loss_fn, spec, carry.params)
+    if m == 1:
+        return one(carry.loss_fn_state, rest, rng, batch)
+    return accumulate(one, carry.loss_fn_state, rest, rng, batch, m)
+
+
+def _loss_and_grads(loss_fn, spec: RestSpec, params, loss_fn_state, rest, rng, batch):
+    """``(loss, new_loss_fn_state, aux, new_rest, grads)`` on one (micro-)batch."""
 
     def loss_of(params):
         model, new_rest = spec.bind(params, rest)
-        out = loss_fn(model=model, state=carry.loss_fn_state, rng=rng, **batch)
-        loss, lfs, aux = _check_loss_output(out, carry.loss_fn_state)
+        out = loss_fn(model=model, state=loss_fn_state, rng=rng, **batch)
+        loss, lfs, aux = _check_loss_output(out, loss_fn_state)
         return loss, (lfs, aux, new_rest())
 
     (loss, (lfs, aux, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-        carry.params
+        params
     )
     return loss, lfs, aux, new_rest, grads
 

@@ -75,6 +75,13 @@ class TrainStep:
       jit: Whether the step is jitted.
       donate: Whether what a call updates (its ``Carry``) is donated.
       steps_per_call: Steps fused in one call (a ``lax.scan``).
+      microbatches: Gradient accumulation: each step splits every batch leaf's
+        example axis into this many micro-batches (strided: micro-batch ``i``
+        holds examples ``i, i + m, …``; key ``fold_in(step_key, i)``), scans
+        over them in order (loss-function state and state variables threaded)
+        and applies their mean grads in one update. The loss and float aux
+        scalars are averaged, integer ones summed, aux arrays concatenated back
+        in batch order; `compute_grads` returns the same means.
     """
 
     def __init__(
@@ -88,11 +95,13 @@ class TrainStep:
         batch_shardings: Any,
         mesh: Mesh | None = None,
         data_axis: str | tuple[str, ...] = "data",
+        microbatches: int = 1,
     ):
         self.loss_fn = loss_fn
         self.jit = jit
         self.donate = donate
         self.steps_per_call = steps_per_call
+        self.microbatches = microbatches
         self.mesh = mesh
         self.batch_sharding = (
             None if mesh is None else data_sharding(mesh, data_axis, steps_per_call)
@@ -102,10 +111,10 @@ class TrainStep:
         self._programs = Programs(self._build)
 
     def _build(self, static: Static, optimizer_def: Any) -> TrainPrograms:
-        k, loss_fn = self.steps_per_call, self.loss_fn
-        step = _step_fns.train_fn(loss_fn, static, optimizer_def, k)
-        grads = _step_fns.grads_fn(loss_fn, static)
-        aux = _step_fns.aux_fn(loss_fn, static)
+        k, m, loss_fn = self.steps_per_call, self.microbatches, self.loss_fn
+        step = _step_fns.train_fn(loss_fn, static, optimizer_def, k, m)
+        grads = _step_fns.grads_fn(loss_fn, static, m)
+        aux = _step_fns.aux_fn(loss_fn, static, m)
         if not self.jit:
             return TrainPrograms(step, lambda: grads, aux)
         if self.mesh is not None and self._state_shardings is None:
@@ -347,32 +356,31 @@ def build_train_step(
     batch_shardings: Any = None,
     mesh: Mesh | None = None,
     data_axis: str | tuple[str, ...] = "data",
+    microbatches: int = 1,
 ) -> TrainStep:
     """Builds a train step for ``loss_fn`` (penzai's loss-function contract).
 
-    Donation is on by default with ``jit=True``: the step reuses the state's
-    buffers (one copy in memory); using the old state again raises
-    `pztrain.DonatedStateError`. ``donate=False`` keeps old states.
+    Donation is on by default with ``jit=True`` (one copy of the state in memory;
+    reusing an old state raises `pztrain.DonatedStateError`).
 
     Args:
       loss_fn: ``(*, model, state, rng, **batch) -> (loss, new_state, aux)``.
       jit: Whether to ``jax.jit`` the step (``False``: eagerly, to debug).
       donate: Donate what the step updates (default: ``jit``).
-      steps_per_call: Steps fused in one call (``lax.scan``); every batch leaf
-        then has a leading axis of this size.
+      steps_per_call: Steps fused in one call; batch leaves get a leading axis.
       state_shardings: Optional shardings of the state's arrays (a
         `TrainState` of shardings) for the jitted step's inputs and outputs.
       batch_shardings: Optional shardings for the batch dict.
-      mesh: A device mesh: each batch leaf is split along ``data_axis``
-        (``train_step.batch_sharding``) and the state keeps its shardings step
-        after step (see `pztrain.sharded_initial_state`, `pztrain.shard_state`).
+      mesh: A device mesh: batch leaves split along ``data_axis``, the state's
+        shardings kept (`pztrain.sharded_initial_state`, `pztrain.shard_state`).
       data_axis: The mesh axis (or axes) the examples of a batch are split over.
+      microbatches: Micro-batches per step (accumulated grads: see `TrainStep`).
 
     Returns:
       A `TrainStep`.
 
     Raises:
-      ValueError: for ``steps_per_call < 1`` or ``donate=True`` without jit.
+      ValueError: for counts < 1 or ``donate=True`` without jit.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -390,12 +398,13 @@ def build_train_step(
     return TrainStep(
         loss_fn,
         jit=jit,
-        donate=_check_build(loss_fn, jit, donate, steps_per_call),
+        donate=_check_build(loss_fn, jit, donate, steps_per_call, microbatches),
         steps_per_call=steps_per_call,
         state_shardings=state_shardings,
         batch_shardings=batch_shardings,
         mesh=_checked_mesh(mesh),
         data_axis=data_axis,
+        microbatches=microbatches,
     )
 
 
@@ -408,12 +417,13 @@ def _checked_mesh(mesh: Any) -> Mesh | None:
     return mesh
 
 
-def _check_build(loss_fn: Any, jit: bool, donate: bool | None, k: int) -> bool:
+def _check_build(loss_fn: Any, jit: bool, donate: bool | None, k: int, m: int) -> bool:
     """Checks `build_train_step`'s arguments; returns whether to donate."""
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}.")
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"steps_per_call must be an int >= 1; got {k!r}.")
+    for name, value in (("steps_per_call", k), ("microbatches", m)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1; got {value!r}.")
     if donate and not jit:
         raise ValueError("donate=True needs jit=True (only jitted calls donate).")
     return jit if donate is None else donate
