@@ -5,9 +5,8 @@ with ``XLA_FLAGS=--xla_force_host_platform_device_count=<4 / NUM_PROCESSES>``.
 
 Four devices in all (a ``data`` mesh over all of them), an FSDP-sharded state,
 a mesh-aware `ArrayLoader` (each process feeds its rows), `Checkpoints` every 8
-steps and
-``resume=True``, a JSONL log in ``RUN_DIR/log`` and a progress bar. With
-``KILL_STEP > 0`` every process SIGKILLs itself at that log point. At the end
+steps and ``resume=True``, a JSONL log in ``RUN_DIR/log``, an evaluation every 16
+steps and a progress bar. With ``KILL_STEP > 0`` every process SIGKILLs itself at that log point. At the end
 process 0 writes the gathered params to ``RUN_DIR/final.npz``, and every
 process writes its history's steps to ``RUN_DIR/history-<id>.json``.
 """
@@ -35,6 +34,12 @@ def loss_fn(*, model, state, rng, x, y):
     h = jnp.tanh(x @ model["w1"] + model["b1"][None])
     loss = jnp.mean((h @ model["w2"] - y) ** 2)
     return loss, state, {"loss": loss}
+
+
+def eval_fn(*, model, state, rng, x, y):
+    del state, rng
+    h = jnp.tanh(x @ model["w1"] + model["b1"][None])
+    return {"loss": jnp.mean((h @ model["w2"] - y) ** 2)}
 
 
 def make_state():
@@ -78,6 +83,9 @@ def main(run_dir: str, pid: int, num: int, port: int, kill: int) -> None:
     state = pztrain.sharded_initial_state(make_state, mesh, rules)
     step = pztrain.build_train_step(loss_fn, mesh=mesh)
     loader = pztrain.ArrayLoader(data, 16, seed=3, sharding=step.batch_sharding)
+    eval_data = pztrain.ArrayLoader(
+        data, 32, shuffle=False, sharding=step.batch_sharding
+    )
     ckpt = pztrain.Checkpoints(os.path.join(run_dir, "ckpt"), every_steps=8)
     state, history = pztrain.fit(
         state,
@@ -85,6 +93,9 @@ def main(run_dir: str, pid: int, num: int, port: int, kill: int) -> None:
         loader,
         num_steps=NUM_STEPS,
         log_every=4,
+        eval_step=pztrain.build_eval_step(eval_fn),
+        eval_data=eval_data,
+        eval_every=16,
         callbacks=[KillAt(kill, ckpt)] if kill > 0 else [],
         checkpoints=ckpt,
         resume=True,
@@ -94,7 +105,7 @@ def main(run_dir: str, pid: int, num: int, port: int, kill: int) -> None:
     params = multihost_utils.process_allgather(state.params, tiled=True)
     if jax.process_index() == 0:
         np.savez(os.path.join(run_dir, "final.npz"), **jax.device_get(params))
-    steps = [r["step"] for r in history.records]
+    steps = [(r["step"], r["split"]) for r in history.records]
     with open(os.path.join(run_dir, f"history-{jax.process_index()}.json"), "w") as f:
         json.dump({"steps": steps, "w1": str(state.params["w1"].sharding.spec)}, f)
 

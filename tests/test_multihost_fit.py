@@ -19,6 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multihost_fit_worker.py"
 
 
+def open_lines(run_log: Path) -> list[str]:
+    return (run_log / "metrics.jsonl").read_text().splitlines()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -82,12 +86,21 @@ def test_two_processes_killed_and_resumed_match_one_process(tmp_path):
 
     # One log, written by process 0: every log point once, the killed stretch redone.
     lines = (run / "log" / "metrics.jsonl").read_text().splitlines()
-    steps = [json.loads(line)["step"] for line in lines]
-    assert steps == list(range(4, 33, 4))
+    records = [json.loads(line) for line in lines]
+    train = [(r["step"], r["split"]) for r in records if r["split"] == "train"]
+    assert train == [(s, "train") for s in range(4, 33, 4)]
+    evals = [r for r in records if r["split"] == "eval"]
+    assert [r["step"] for r in evals] == [16, 32]
+    one_log = [json.loads(line) for line in open_lines(tmp_path / "one" / "log")]
+    want_evals = [r["metrics"]["loss"] for r in one_log if r["split"] == "eval"]
+    np.testing.assert_allclose(
+        [r["metrics"]["loss"] for r in evals], want_evals, rtol=1e-5
+    )
     # Every process has the whole history and the state's shardings.
     for i in range(2):
         seen = json.loads((run / f"history-{i}.json").read_text())
-        assert seen["steps"] == list(range(20, 33, 4))
+        assert [s for s, split in seen["steps"] if split == "train"] == [20, 24, 28, 32]
+        assert [s for s, split in seen["steps"] if split == "eval"] == [32]
         assert seen["w1"] == "P(None, 'data')"
     # One progress bar: process 0's.
     assert "32/32" in resumed[0].stderr

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from pztrain._batch import BatchError, check_batch
 from pztrain._tree import named_leaves
+from pztrain.data import ArrayLoader, put_batch
 from pztrain.loop._hooks import host_reads
 from pztrain.state import TrainState
 from pztrain.step import EvalStep
@@ -32,8 +33,10 @@ def evaluate(state: TrainState, eval_step: EvalStep, data: Iterable[Any]) -> dic
     Args:
       state: The state to evaluate.
       eval_step: From `pztrain.build_eval_step`; its metrics are scalars.
-      data: An `pztrain.ArrayLoader` (one pass, in order: its epoch 0) or any
-        iterable of batch dicts.
+      data: An `pztrain.ArrayLoader` (one pass, in order: its epoch 0; with a
+        ``sharding``, each batch is split over the mesh and, with several
+        processes, assembled from every process's rows) or any iterable of
+        batch dicts.
 
     Returns:
       Metric name → float mean over all examples.
@@ -42,8 +45,11 @@ def evaluate(state: TrainState, eval_step: EvalStep, data: Iterable[Any]) -> dic
       BatchError: for an empty ``data`` or a bad batch.
     """
     sums, total = None, 0
+    sharding = data.batch_sharding() if isinstance(data, ArrayLoader) else None
     for batch in data:
         n = check_batch(batch)
+        if sharding is not None:  # this process's rows of a global batch
+            batch, n = put_batch(batch, sharding), n * jax.process_count()
         values = eval_step(state, **batch)
         if sums is None:
             sums = jax.tree.map(lambda _: jnp.zeros((), jnp.float32), values)
