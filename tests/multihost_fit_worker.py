@@ -7,8 +7,9 @@ Four devices in all (a ``data`` mesh over all of them), an FSDP-sharded state,
 a mesh-aware `ArrayLoader` (each process feeds its rows), `Checkpoints` every 8
 steps and ``resume=True``, a JSONL log in ``RUN_DIR/log``, an evaluation every 16
 steps and a progress bar. With ``KILL_STEP > 0`` every process SIGKILLs itself at
-that log point. At the end process 0 writes the gathered params to ``RUN_DIR/final.npz``, and every
-process writes its history's steps to ``RUN_DIR/history-<id>.json``.
+that log point. At the end process 0 writes the gathered params to
+``RUN_DIR/final.npz``, and every process writes its history's steps to
+``RUN_DIR/history-<id>.json``.
 """
 
 from __future__ import annotations

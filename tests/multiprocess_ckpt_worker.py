@@ -13,20 +13,11 @@ import sys
 from pathlib import Path
 
 import jax
-
-PORT, PROCESS_ID, WORK = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{PORT}",
-    num_processes=2,
-    process_id=PROCESS_ID,
-    coordinator_bind_address=f"127.0.0.1:{PORT}",
-)
-
-import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from sharded_ckpt_worker import (  # noqa: E402
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from sharded_ckpt_worker import (
     arrays,
     batches,
     make_state,
@@ -35,13 +26,14 @@ from sharded_ckpt_worker import (  # noqa: E402
     step_for,
 )
 
-from pztrain.checkpoint import load_state, save_state  # noqa: E402
+from pztrain.checkpoint import load_state, save_state
 
 
 def global_batch(mesh, batch):
     sharding = NamedSharding(mesh, P("data"))
     rows = len(batch["x"]) // 2
-    mine = slice(PROCESS_ID * rows, (PROCESS_ID + 1) * rows)
+    index = jax.process_index()
+    mine = slice(index * rows, (index + 1) * rows)
     return {
         k: jax.make_array_from_process_local_data(sharding, v[mine], v.shape)
         for k, v in batch.items()
@@ -65,7 +57,13 @@ def check(restored, target, saved, what):
         np.testing.assert_array_equal(x, saved[p], err_msg=f"{what}: {p}")
 
 
-def main() -> None:
+def main(port: int, process_id: int, work: Path) -> None:
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=2,
+        process_id=process_id,
+        coordinator_bind_address=f"127.0.0.1:{port}",
+    )
     assert jax.process_count() == 2 and jax.device_count() == 4, jax.devices()
     mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     specs = shardings(
@@ -75,20 +73,20 @@ def main() -> None:
     state = sharded_state(specs)
     for batch in batches(3):
         state, _ = step(state, **global_batch(mesh, batch))
-    save_state(WORK / "ckpt", state)
+    save_state(work / "ckpt", state)
     saved = on_host(state)
 
     fresh = sharded_state(specs)
-    check(load_state(WORK / "ckpt", fresh), fresh, saved, "sharded target")
+    check(load_state(work / "ckpt", fresh), fresh, saved, "sharded target")
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         jax.eval_shape(make_state),
         specs,
     )
-    check(load_state(WORK / "ckpt", abstract), abstract, saved, "abstract target")
+    check(load_state(work / "ckpt", abstract), abstract, saved, "abstract target")
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
     multihost_utils.sync_global_devices("multiprocess_ckpt_worker done")
     print("OK")
