@@ -384,13 +384,26 @@ def export_safetensors(path: str | os.PathLike, state_or_params: Any) -> Path:
     """Writes the params to one ``.safetensors`` file, keyed by parameter name.
 
     For use outside JAX (PyTorch, NumPy, Rust …). Needs ``pztrain[safetensors]``.
+    With several processes every process calls it: arrays split across them
+    are gathered (each process needs the host memory for the whole params)
+    and process 0 writes the file.
     """
     save_file = _safetensors().save_file
     named = named_leaves(params_of(state_or_params))
     with jax.transfer_guard_device_to_host("allow"):
-        tensors = {n: np.ascontiguousarray(jax.device_get(x)) for n, x in named}
-    save_file(tensors, str(path), metadata={"format": "pztrain.params"})
+        tensors = {n: _whole_on_host(x) for n, x in named}
+    if jax.process_index() == 0:
+        save_file(tensors, str(path), metadata={"format": "pztrain.params"})
+    _orbax.barrier(f"pztrain.export_safetensors {path}")
     return Path(path)
+
+
+def _whole_on_host(x: Any) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.ascontiguousarray(jax.device_get(x))
 
 
 def import_safetensors(

@@ -103,6 +103,7 @@ def main(run_dir: str, pid: int, num: int, port: int, kill: int) -> None:
         run_dir=os.path.join(run_dir, "log"),
         progress=True,
     )
+    pztrain.export_safetensors(os.path.join(run_dir, "params.safetensors"), state)
     params = multihost_utils.process_allgather(state.params, tiled=True)
     if jax.process_index() == 0:
         np.savez(os.path.join(run_dir, "final.npz"), **jax.device_get(params))

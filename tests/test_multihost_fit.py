@@ -1,7 +1,7 @@
 """`fit` over two real processes (JAX's distributed runtime on 127.0.0.1, gloo CPU
 collectives, 2 devices each): a mesh-aware loader, FSDP, checkpoints, a SIGKILL
 of both processes and ``resume=True`` end where one process with the same 4
-devices ends; one log and one progress bar."""
+devices ends; one log and one progress bar; `export_safetensors` gathers."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import safetensors.numpy
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multihost_fit_worker.py"
@@ -81,8 +82,11 @@ def test_two_processes_killed_and_resumed_match_one_process(tmp_path):
     for p in resumed:
         assert p.returncode == 0, p.stderr[-3000:]
     got = np.load(run / "final.npz")
+    exported = safetensors.numpy.load_file(run / "params.safetensors")
+    assert sorted(exported) == sorted(want.files)
     for name in want.files:
         np.testing.assert_allclose(got[name], want[name], atol=1e-5)
+        np.testing.assert_array_equal(exported[name], got[name])  # gathered whole
 
     # One log, written by process 0: every log point once, the killed stretch redone.
     lines = (run / "log" / "metrics.jsonl").read_text().splitlines()
