@@ -13,7 +13,7 @@ import optax
 from penzai import pz
 from penzai.core import struct as pz_struct
 
-from pztrain import partition
+from pztrain import _flax, partition
 from pztrain._donation import DonatedStateError, check_alive
 from pztrain._optax import (
     check_optimizer,
@@ -95,10 +95,6 @@ def _owned_copy(tree: Any, avoid: set[int], always: bool = False) -> Any:
         return x
 
     return jax.tree.map(own, tree)
-
-
-def _state_type_name(x: Any) -> str:
-    return type(x).__name__
 
 
 def _nbytes(tree: Any) -> tuple[int, int]:
@@ -288,6 +284,7 @@ class TrainState(pz.Struct):
     @classmethod
     def _from_parts(cls, params, rest, optimizer_def, root_rng, lfs, extra):
         owned: set[int] = set()
+        _flax.adopt(cls, params)  # refuses fp8 collections; flax serialization
         params = _owned_copy(params, owned, always=True)
         opt_state = _owned_copy(optimizer_def.init(params), owned)
         lfs = _owned_copy(lfs, owned, always=True)
@@ -386,7 +383,7 @@ class TrainState(pz.Struct):
         n_tensors = len(jax.tree.leaves(self.params))
         lines = [
             f"{type(self).__name__} at step {int(self.step)}: {n_tensors} trainable "
-            f"arrays, optimizer {_state_type_name(self.opt_state)}"
+            f"arrays, optimizer {type(self.opt_state).__name__}"
         ]
         for name, tree in rows:
             count, nbytes = _nbytes(tree)
@@ -396,13 +393,14 @@ class TrainState(pz.Struct):
     # --------------------------------------------------------------- updates
 
     def replace(self, **fields: Any) -> TrainState:
-        """Returns a copy with ``fields`` replaced (Flax's ``replace``).
+        """Returns a copy with ``fields`` replaced (Flax's ``replace``; its
+        ``apply_fn=`` and ``tx=`` too).
 
         Raises:
           TypeError: naming an unknown field.
         """
-        cls = type(self)
-        names, checks = _FIELDS[cls]
+        names, checks = _FIELDS[cls := type(self)]
+        fields = _flax.flax_fields(self.model_without_params, fields)
         if not names.issuperset(fields):
             raise TypeError(
                 f"{cls.__name__} has no field(s) {sorted(set(fields) - names)}; its "

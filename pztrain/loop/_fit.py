@@ -15,6 +15,7 @@ import functools
 import numbers
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import NoneType
 from typing import Any
@@ -28,8 +29,8 @@ from pztrain.loggers import JsonlLogger, Logger
 from pztrain.loop._evaluate import evaluate
 from pztrain.loop._hooks import Hooks, RecordLog, host_reads
 from pztrain.loop._reporting import Reporter
-from pztrain.loop._schedule import Schedule, run_end
-from pztrain.loop._sources import BatchSource, batch_source
+from pztrain.loop._schedule import Schedule, check_eval_every_epochs, run_end
+from pztrain.loop._sources import BatchSource, batch_source, check_epochs
 from pztrain.records import History, LoopInfo, Stop
 from pztrain.state import TrainState
 from pztrain.step import EvalStep, TrainStep
@@ -47,6 +48,7 @@ def fit(
     eval_step: EvalStep | None = None,
     eval_data: Iterable[Any] | None = None,
     eval_every: int | None = None,
+    eval_every_epochs: int | None = None,
     log_every: int = 100,
     callbacks: Sequence[Callback] = (),
     loggers: Sequence[Logger] | None = None,
@@ -65,11 +67,14 @@ def fit(
       train_data: An `ArrayLoader` (its position follows the step) or any
         iterable of batch dicts (re-iterable: one epoch per pass; a one-shot
         iterator ends the run when it runs out).
-      num_steps: Train until ``state.step == num_steps`` (a total).
-      num_epochs: Train until this many epochs are done.
+      num_steps: Train until ``state.step == num_steps`` (a total; if reached: a
+        warning that says so).
+      num_epochs: Train until this many epochs are done (not a generator's).
       eval_step: From `pztrain.build_eval_step`, with ``eval_data``.
       eval_data: The data for `pztrain.evaluate`.
       eval_every: Steps between evaluations (default: each epoch end, or the end).
+      eval_every_epochs: Evaluate at the end of every this many epochs (and at
+        the end) instead of each one.
       log_every: Steps between log points (a multiple of ``steps_per_call``).
       callbacks: `pztrain.Callback` s, run in this order at each point.
       loggers: Added to the `pztrain.JsonlLogger` of ``run_dir`` (unless one is
@@ -96,22 +101,18 @@ def fit(
     _check_parts(state, train_step, train_data, eval_step, eval_data, hparams)
     _check_options(train_step, log_every, eval_every, eval_step, eval_data, prefetch)
     _check_length(num_steps, num_epochs, checkpoints, resume)
+    _check_epochs(train_data, num_epochs, eval_every, eval_every_epochs, eval_step)
     callbacks, loggers = _checked_callbacks(callbacks), _checked_loggers(loggers)
     with checkpoints if checkpoints is not None else contextlib.nullcontext():
         if checkpoints is not None:
             state = checkpoints.prepare(state, callbacks, resume=resume)
-        with host_reads():
-            start = int(state.step)
-        k, per_epoch = train_step.steps_per_call, _epoch_length(train_data)
-        end = run_end(start, k, per_epoch, num_steps, num_epochs)
-        evaluates = eval_step is not None
-        schedule = Schedule(
-            start, end, k, log_every, eval_every, per_epoch, num_epochs, evaluates
+        every = (log_every, eval_every, eval_every_epochs, eval_step is not None)
+        schedule = _schedule(
+            state, train_step, train_data, num_steps, num_epochs, every
         )
-        ckpts = [] if checkpoints is None else [checkpoints]
-        loggers, bar = _outputs(loggers, run_dir, start, ckpts, progress, callbacks)
-        history, clock = History(), time.perf_counter
-        hooks = Hooks([*bar, *callbacks, RecordLog(history, loggers), *ckpts])
+        start, k, clock = schedule.start, schedule.steps_per_call, time.perf_counter
+        outputs = _outputs(loggers, run_dir, start, checkpoints, progress, callbacks)
+        history, hooks = _hooks(callbacks, checkpoints, *outputs)
         run = _Run(
             train_step=train_step,
             source=batch_source(train_data, start, k, prefetch, _sharding(train_step)),
@@ -169,7 +170,7 @@ def _train(state: TrainState, run: _Run) -> TrainState:
             ended = s.ends_epoch(step, epoch, run.source.ended_pass)
             if ended:
                 state, stop = _first(stop, *hooks.run("on_epoch_end", state, epoch))
-            if s.evaluates_at(step, ended):
+            if s.evaluates_at(step, ended, epoch):
                 state, stop = _first(stop, *run.evaluation(state, step, epoch))
                 last_eval = step
             epoch = s.next_epoch(step, epoch) if ended else epoch
@@ -181,7 +182,7 @@ def _train(state: TrainState, run: _Run) -> TrainState:
         if stop is None and s.evaluates and last_eval != step:
             state, stop = _first(stop, *run.evaluation(state, step, epoch))
         state, stop = _first(stop, *hooks.run("on_point_end", state, step))
-        run.history.stop_reason = _stop_reason(stop, run.source)
+        run.history.stop_reason = _stop_reason(stop, run.source) or s.nothing_left()
     finally:
         _end(state, run)
     return state
@@ -249,6 +250,30 @@ def _check_options(
         )
 
 
+def _check_epochs(train_data, num_epochs, eval_every, eval_every_epochs, eval_step):
+    """``num_epochs`` needs data with epochs; ``eval_every_epochs`` its options."""
+    check_epochs(train_data, num_epochs)
+    check_eval_every_epochs(eval_every_epochs, eval_every, eval_step is not None)
+
+
+def _schedule(state, train_step, train_data, num_steps, num_epochs, every):
+    """The run's `Schedule` from the state's step; warns if it has nothing to
+    do. ``every``: ``(log_every, eval_every, eval_every_epochs, evaluates)``."""
+    log_every, eval_every, eval_every_epochs, evaluates = every
+    with host_reads():
+        start = int(state.step)
+    k, per_epoch = train_step.steps_per_call, _epoch_length(train_data)
+    end = run_end(start, k, per_epoch, num_steps, num_epochs)
+    schedule = Schedule(
+        start, end, k, log_every, eval_every, per_epoch, num_epochs, evaluates,
+        eval_every_epochs,
+    )  # fmt: skip
+    idle = schedule.nothing_left()
+    if idle is not None:
+        warnings.warn(f"fit: {idle}.", UserWarning, stacklevel=3)
+    return schedule
+
+
 def _check_length(num_steps, num_epochs, checkpoints, resume) -> None:
     if num_steps is None and num_epochs is None:
         raise ValueError("Say how long to train: pass num_steps or num_epochs.")
@@ -300,15 +325,23 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _outputs(loggers, run_dir, start, ckpts, progress, callbacks):
+def _outputs(loggers, run_dir, start, checkpoints, progress, callbacks):
     """The run's loggers and progress bar: on process 0 only, so that a run of
     several processes writes one log and shows one bar. A resumed run's log
     goes on from ``start`` (`Checkpoints.prepare` says whether it resumed)."""
     if jax.process_index() != 0:
         return [], []
-    resumed = any(c.continues_run for c in ckpts)
+    resumed = checkpoints is not None and checkpoints.continues_run
     loggers = _default_loggers(run_dir, start, resumed, loggers)
     return loggers, _progress_bar(progress, callbacks)
+
+
+def _hooks(callbacks, checkpoints, loggers, bar) -> tuple[History, Hooks]:
+    """The run's `History` and its hooks, in order: the progress bar, the
+    callbacks, the records (history and loggers), the checkpoints."""
+    history = History()
+    ckpts = [] if checkpoints is None else [checkpoints]
+    return history, Hooks([*bar, *callbacks, RecordLog(history, loggers), *ckpts])
 
 
 def _default_loggers(run_dir, start: int, resumed: bool, given) -> list[Logger]:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
-__all__ = ["Schedule"]
+__all__ = ["Schedule", "check_eval_every_epochs", "run_end"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,8 @@ class Schedule:
         one, as the data says).
       num_epochs: The number of epochs to run (``None``: ``end`` decides).
       evaluates: Whether the run evaluates.
+      eval_every_epochs: Evaluate at the end of every this many epochs
+        (instead of each epoch end; ``eval_every`` then is ``None``).
 
     Example:
       >>> s = Schedule(start=0, end=10, steps_per_call=1, log_every=4,
@@ -44,6 +47,7 @@ class Schedule:
     steps_per_epoch: int | None = None
     num_epochs: int | None = None
     evaluates: bool = False
+    eval_every_epochs: int | None = None
 
     @property
     def end_step(self) -> int | None:
@@ -77,14 +81,42 @@ class Schedule:
             return step // self.steps_per_epoch > epoch
         return ended_pass
 
-    def evaluates_at(self, step: int, ended_epoch: bool) -> bool:
+    def evaluates_at(self, step: int, ended_epoch: bool, epoch: int = 0) -> bool:
         """Whether to evaluate at ``step``: every ``eval_every``, else at the
-        ends of epochs."""
+        end of ``epoch`` (of every ``eval_every_epochs``-th epoch, counted from 1).
+        """
         if not self.evaluates:
             return False
         if self.eval_every is not None:
             return step % self.eval_every == 0
+        if ended_epoch and self.eval_every_epochs:
+            return (epoch + 1) % self.eval_every_epochs == 0
         return ended_epoch
+
+    def nothing_left(self) -> str | None:
+        """Why a run has nothing to do (its total already reached), else ``None``.
+
+        Example:
+          >>> s = Schedule(start=8, end=8, steps_per_call=1, log_every=5,
+          ...              steps_per_epoch=4, num_epochs=2)
+          >>> s.nothing_left().split("; ")[1]
+          'to train 2 more epochs, pass num_epochs=4'
+        """
+        epoch = self.epoch_at(self.start)
+        if not self.done(self.start, epoch):
+            return None
+        if self.num_epochs is not None:
+            name, total, unit = "num_epochs", self.num_epochs, "epochs"
+            more, now = max(self.num_epochs, 1), epoch
+        else:
+            name, total, unit = "num_steps", self.end_step, "steps"
+            k = self.steps_per_call  # a whole number of calls
+            more, now = -(-max(self.end_step or 0, 1) // k) * k, self.start
+        return (
+            f"nothing to do: state.step={self.start} already reached {name}={total} "
+            f"(a total, not a number of further {unit}); to train {more} more "
+            f"{unit}, pass {name}={now + more}"
+        )
 
     def next_epoch(self, step: int, epoch: int) -> int:
         """The epoch after one that ended at ``step``."""
@@ -99,6 +131,27 @@ class Schedule:
 
 def _next_multiple(step: int, every: int) -> int:
     return (step // every + 1) * every
+
+
+def check_eval_every_epochs(
+    eval_every_epochs: int | None, eval_every: int | None, evaluates: bool
+) -> None:
+    """Checks ``fit``'s ``eval_every_epochs`` (an int >= 1, with an eval step,
+    without ``eval_every``).
+
+    Raises:
+      ValueError: naming ``eval_every_epochs`` and what to change.
+    """
+    if eval_every_epochs is None:
+        return
+    n = eval_every_epochs
+    if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"eval_every_epochs must be an int >= 1; got {n!r}.")
+    if not evaluates or eval_every is not None:
+        raise ValueError(
+            f"eval_every_epochs={n!r} needs eval_step and eval_data, and no "
+            "eval_every (evaluate by steps or by epochs, not both)."
+        )
 
 
 def run_end(

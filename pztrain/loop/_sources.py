@@ -13,13 +13,21 @@ next host point, each with the number of calls to run on it:
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 from pztrain._batch import BatchError, check_batch, stack_batches
 from pztrain.data import ArrayLoader, prefetch_to_device, put_batch
 
-__all__ = ["BatchSource", "DeviceEpochs", "HostBatches", "batch_source"]
+__all__ = [
+    "BatchSource",
+    "DeviceEpochs",
+    "HostBatches",
+    "batch_source",
+    "check_epochs",
+    "one_shot_without_length",
+]
 
 
 class BatchSource(Protocol):
@@ -120,6 +128,39 @@ class DeviceEpochs:
     def stretch(self, step: int, stop: float) -> Iterator[tuple[Any, int]]:
         batches = self._loader.device_epoch(step // self._loader.steps_per_epoch)
         yield batches, int(stop - step) // self._k
+
+
+def one_shot_without_length(data: Any) -> bool:
+    """Whether ``data`` is a one-shot iterator (its own ``iter()``) that says
+    nothing of its length (no ``len``, no ``__length_hint__``): a generator.
+
+    Its passes cannot be counted, so it has no epochs.
+
+    Example:
+      >>> one_shot_without_length(x for x in range(3))
+      True
+      >>> one_shot_without_length(iter([1, 2])), one_shot_without_length([1, 2])
+      (False, False)
+    """
+    if isinstance(data, ArrayLoader) or not isinstance(data, Iterator):
+        return False
+    return operator.length_hint(data, -1) < 0
+
+
+def check_epochs(data: Any, num_epochs: int | None) -> None:
+    """Refuses ``num_epochs`` for data without epochs (`one_shot_without_length`).
+
+    Raises:
+      ValueError: naming ``num_epochs`` and suggesting ``num_steps``.
+    """
+    if num_epochs is not None and one_shot_without_length(data):
+        raise ValueError(
+            f"num_epochs={num_epochs!r} with train_data a one-shot "
+            f"{type(data).__name__} that has no length: fit cannot tell where an "
+            "epoch ends (an endless generator would never end one). Pass "
+            "num_steps=... instead, or data with epochs (an ArrayLoader or a list "
+            "of batch dicts)."
+        )
 
 
 def _passes(data: Iterable[Any], k: int) -> Iterator[tuple[Any, bool]]:

@@ -39,7 +39,7 @@ from pztrain.partition._model import (
     to_user_model,
 )
 from pztrain.partition._rest import RestSpec, split_rest
-from pztrain.partition._split import family_of, split
+from pztrain.partition._split import family_of, param_values, split
 
 __all__ = [
     "ApplyFnModel",
@@ -49,6 +49,7 @@ __all__ = [
     "Trainable",
     "family_of",
     "merge",
+    "param_values",
     "split",
     "split_rest",
     "to_user_model",

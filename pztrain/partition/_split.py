@@ -17,9 +17,10 @@ from pztrain.partition._model import (
     ParamSlot,
     PartitionError,
     Trainable,
+    merge,
 )
 
-__all__ = ["family_of", "split"]
+__all__ = ["family_of", "param_values", "split"]
 
 
 def _leaf_names(prefix: str, value: Any) -> list[tuple[str, Any]]:
@@ -114,6 +115,50 @@ def family_of(model: Any) -> str:
         if any(isinstance(x, v1_types) for x in nodes):
             found = "penzai_v1"
     return found
+
+
+def param_values(state: Any) -> dict[str, Any]:
+    """A state's trainable params as penzai's own ``TrainState.params`` holds
+    them: keyed by parameter name (penzai v1) or label (penzai v2), each value
+    as the model holds it: a ``NamedArray`` where the parameter had one.
+
+    ``state.params`` itself stays a flat dict of plain arrays (what checkpoints,
+    optimizer masks and sharding rules name); this is a view. For other
+    families it is ``state.params``.
+
+    Args:
+      state: A `pztrain.TrainState` (anything with ``params`` and
+        ``model_without_params``).
+
+    Returns:
+      A dict name → value.
+
+    Example:
+      >>> import types, jax.numpy as jnp
+      >>> from penzai import pz
+      >>> w = pz.nx.wrap(jnp.ones(2)).tag("features")
+      >>> params, rest = split({"w": pz.Parameter(value=w, label="w")})
+      >>> type(params["w"]).__name__
+      'ArrayImpl'
+      >>> state = types.SimpleNamespace(params=params, model_without_params=rest)
+      >>> dict(param_values(state)["w"].named_axes)
+      {'features': 2}
+    """
+    params, rest = state.params, state.model_without_params
+    v1 = _v1_module()
+    kinds = (pz_vars.ParameterValue, *(() if v1 is None else (v1.Parameter,)))
+    is_param = lambda x: isinstance(x, kinds)  # noqa: E731
+    out: dict[str, Any] = {}
+    for node in jax.tree.leaves(rest, is_leaf=is_param):
+        if is_param(node) and _holds_slot(node.value):
+            name = str(node.label) if hasattr(node, "label") else node.name
+            out.setdefault(name, merge(params, node.value))
+    return out or dict(params)
+
+
+def _holds_slot(value: Any) -> bool:
+    is_slot = lambda x: isinstance(x, ParamSlot)  # noqa: E731
+    return any(is_slot(x) for x in jax.tree.leaves(value, is_leaf=is_slot))
 
 
 # ----------------------------------------------------------------------------
