@@ -41,6 +41,7 @@ from pztrain.loggers import JsonlLogger, TensorBoardLogger
 from pztrain.loop import evaluate, fit
 from pztrain.partition import ApplyFnModel, ParamSlot, PartitionError
 from pztrain.precision import mixed_precision
+from pztrain.rebuild import load_from_checkpoint
 from pztrain.records import History, LoopInfo, Stop
 from pztrain.sharding import (
     ShardingError,
@@ -97,6 +98,7 @@ __all__ = [
     "export_safetensors",
     "fit",
     "import_safetensors",
+    "load_from_checkpoint",
     "load_params",
     "load_state",
     "loggers",
