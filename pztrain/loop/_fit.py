@@ -108,7 +108,7 @@ def fit(
             state = checkpoints.prepare(state, callbacks, resume=resume)
         every = (log_every, eval_every, eval_every_epochs, eval_step is not None)
         schedule = _schedule(
-            state, train_step, train_data, num_steps, num_epochs, every
+            state, train_step, train_data, num_steps, num_epochs, every, resume
         )
         start, k, clock = schedule.start, schedule.steps_per_call, time.perf_counter
         outputs = _outputs(loggers, run_dir, start, checkpoints, progress, callbacks)
@@ -256,9 +256,10 @@ def _check_epochs(train_data, num_epochs, eval_every, eval_every_epochs, eval_st
     check_eval_every_epochs(eval_every_epochs, eval_every, eval_step is not None)
 
 
-def _schedule(state, train_step, train_data, num_steps, num_epochs, every):
+def _schedule(state, train_step, train_data, num_steps, num_epochs, every, resume):
     """The run's `Schedule` from the state's step; warns if it has nothing to
-    do. ``every``: ``(log_every, eval_every, eval_every_epochs, evaluates)``."""
+    do (unless resuming: a finished run resumed is done, nothing to warn of).
+    ``every``: ``(log_every, eval_every, eval_every_epochs, evaluates)``."""
     log_every, eval_every, eval_every_epochs, evaluates = every
     with host_reads():
         start = int(state.step)
@@ -269,7 +270,7 @@ def _schedule(state, train_step, train_data, num_steps, num_epochs, every):
         eval_every_epochs,
     )  # fmt: skip
     idle = schedule.nothing_left()
-    if idle is not None:
+    if idle is not None and not resume:
         warnings.warn(f"fit: {idle}.", UserWarning, stacklevel=3)
     return schedule
 
