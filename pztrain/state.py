@@ -22,7 +22,8 @@ from pztrain._optax import (
     set_hyperparams,
 )
 from pztrain._tree import describe
-from pztrain.summary import Summary, readable_treescope, summarize
+from pztrain._treescope import readable_treescope
+from pztrain.summary import Summary, summarize
 
 __all__ = ["TrainState", "DonatedStateError"]
 

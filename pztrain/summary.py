@@ -6,17 +6,14 @@ is placed on a mesh), then the totals of each part of the state, the step and
 the key. The result, a `Summary`, is a ``str`` (``print(state.summary())``) that
 a notebook shows as an HTML table.
 
-`readable_treescope` is the hint ``TrainState.__treescope_repr__`` gives
-treescope: in text, every node wider than a line is unfolded, so
-``treescope.render_to_text(state)`` has no line thousands of characters long;
-the HTML view keeps treescope's own foldable layout.
+Treescope's own view of a state is `pztrain._treescope.readable_treescope`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import html
-import io
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from penzai.core import variables as pz_vars
-from treescope import layout_algorithms, rendering_parts
+from treescope import rendering_parts
 
 from pztrain._tree import describe, is_array, is_float_array, named_leaves, path_name
 from pztrain.partition import ParamSlot
@@ -34,7 +31,6 @@ __all__ = [
     "ParamRow",
     "Summary",
     "optimizer_state_types",
-    "readable_treescope",
     "summarize",
 ]
 
@@ -98,10 +94,9 @@ def _row(name: str, x: Any, kind: str) -> ParamRow:
     )
 
 
-def _value_rows(var: Any, kind: str) -> list[ParamRow]:
-    """The arrays of a penzai variable value left in the rest, by its label."""
-    label = str(var.label)
-    leaves = named_leaves(var.value, is_leaf=lambda x: isinstance(x, ParamSlot))
+def _value_rows(label: str, value: Any, kind: str) -> list[ParamRow]:
+    """The arrays of a penzai parameter (or state) left in the rest, by label."""
+    leaves = named_leaves(value, is_leaf=lambda x: isinstance(x, ParamSlot))
     return [
         _row(label if len(leaves) == 1 else f"{label}/{name}", leaf, kind)
         for name, leaf in leaves
@@ -109,24 +104,29 @@ def _value_rows(var: Any, kind: str) -> list[ParamRow]:
     ]
 
 
+def _variables() -> tuple[type, ...]:
+    """Penzai v2 values, and v1 parameters if penzai v1 was imported."""
+    v1 = sys.modules.get("penzai.deprecated.v1.nn.parameters")
+    return _VALUE_TYPES + (() if v1 is None else (v1.Parameter,))
+
+
 def _rest_rows(rest: Any) -> list[ParamRow]:
     """The arrays of ``model_without_params``: frozen params, state, buffers."""
-    is_value = lambda x: isinstance(x, _VALUE_TYPES)  # noqa: E731
+    types = _variables()
+    is_var = lambda x: isinstance(x, types)  # noqa: E731
     rows: list[ParamRow] = []
     labels: set[str] = set()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(rest, is_leaf=is_value)[0]:
-        if is_value(leaf):
-            if str(leaf.label) not in labels:  # a shared variable, listed once
-                labels.add(str(leaf.label))
-                kind = (
-                    "state"
-                    if isinstance(leaf, pz_vars.StateVariableValue)
-                    else "frozen"
-                )
-                rows += _value_rows(leaf, kind)
-        elif is_array(leaf):
-            kind = "frozen" if is_float_array(leaf) else "buffer"
-            rows.append(_row(path_name(path) or "root", leaf, kind))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(rest, is_leaf=is_var)[0]:
+        if not is_var(leaf):
+            if is_array(leaf):
+                kind = "frozen" if is_float_array(leaf) else "buffer"
+                rows.append(_row(path_name(path) or "root", leaf, kind))
+            continue
+        label = str(getattr(leaf, "label", None) or leaf.name)
+        if label not in labels:  # a shared variable, listed once
+            labels.add(label)
+            is_state = isinstance(leaf, pz_vars.StateVariableValue)
+            rows += _value_rows(label, leaf.value, "state" if is_state else "frozen")
     return rows
 
 
@@ -299,6 +299,11 @@ class Summary(str):
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
 
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        """Treescope shows the text table (and, after it, the HTML tables)."""
+        del path, subtree_renderer
+        return rendering_parts.text(str(self))
+
     def _repr_html_(self) -> str:
         sharded = len(self._header) > len(_ROW_HEADER)
         return (
@@ -358,92 +363,10 @@ def summarize(state: Any) -> Summary:
     count, nbytes = sum(r.count for r in trained), sum(r.nbytes for r in trained)
     title = (
         f"{type(state).__name__} at step {step}: {len(trained)} trainable "
-        f"arrays, {count:,} values ({_human(nbytes)}); {len(frozen)} frozen"
+        f"array{'' if len(trained) == 1 else 's'}, {count:,} values "
+        f"({_human(nbytes)}); {len(frozen)} frozen"
     )
     if frozen:
         frozen_count = sum(r.count for r in frozen)
         title += f" ({frozen_count:,} values)"
     return Summary(title, rows, _totals(state), step, _key_text(state.root_rng))
-
-
-# ----------------------------------------------------------------------------
-# treescope
-
-
-def _foldables(part: Any) -> list[Any]:
-    """Every foldable node in ``part``, outermost first."""
-    found, todo = [], list(part.foldables_in_this_part())
-    while todo:
-        node = todo.pop()
-        found.append(node)
-        todo += node.as_expanded_part().foldables_in_this_part()
-    return found
-
-
-class _UnfoldedInText(rendering_parts.RenderableTreePart):
-    """A rendering that HTML shows as laid out, and text unfolded by width.
-
-    Treescope folds nodes to fit ~20 lines; in text a folded node is one line,
-    thousands of characters long for a model. For text, this part unfolds every
-    node wider than `WIDTH`, renders, and puts the layout back.
-    """
-
-    WIDTH = 80
-
-    def __init__(self, part: Any):
-        self.part = part
-
-    def _compute_collapsed_width(self) -> int:
-        return self.part.collapsed_width
-
-    def _compute_newlines_in_expanded_parent(self) -> int:
-        return self.part.newlines_in_expanded_parent
-
-    def _compute_layout_marks_in_this_part(self) -> frozenset[Any]:
-        return self.part.layout_marks_in_this_part
-
-    def foldables_in_this_part(self) -> Sequence[Any]:
-        return self.part.foldables_in_this_part()
-
-    def html_setup_parts(self, context: Any, /) -> set[Any]:
-        return self.part.html_setup_parts(context)
-
-    def render_to_html(self, stream: io.TextIOBase, **kwargs: Any) -> None:
-        self.part.render_to_html(stream, **kwargs)
-
-    def render_to_text(self, stream: io.TextIOBase, **kwargs: Any) -> None:
-        nodes = _foldables(self.part)
-        layout = [node.get_expand_state() for node in nodes]
-        for node in nodes:
-            node.set_expand_state(rendering_parts.ExpandState.WEAKLY_COLLAPSED)
-        try:
-            layout_algorithms.expand_for_balanced_layout(
-                self.part, max_height=None, target_width=self.WIDTH
-            )
-            self.part.render_to_text(stream, **kwargs)
-        finally:
-            for node, state in zip(nodes, layout, strict=True):
-                node.set_expand_state(state)
-
-
-def readable_treescope(rendering: Any) -> Any:
-    """Makes treescope's text render of ``rendering`` unfold by width.
-
-    ``TrainState.__treescope_repr__`` passes penzai's rendering of the state
-    through this, so ``treescope.render_to_text(state)`` shows every part of the
-    state, however deep, in lines of about 80 characters (a single array's
-    summary may be longer); notebooks keep treescope's foldable HTML.
-
-    Args:
-      rendering: What a ``__treescope_repr__`` returns (or ``NotImplemented``).
-
-    Returns:
-      The same rendering, wrapped.
-    """
-    if isinstance(rendering, rendering_parts.RenderableAndLineAnnotations):
-        return rendering_parts.RenderableAndLineAnnotations(
-            _UnfoldedInText(rendering.renderable), rendering.annotations
-        )
-    if isinstance(rendering, rendering_parts.RenderableTreePart):
-        return _UnfoldedInText(rendering)
-    return rendering

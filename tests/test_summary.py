@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,12 +17,20 @@ import pytest
 import treescope
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import dict_mlp_params, equinox_mlp, penzai_v2_mlp
+from models import (
+    dict_mlp_apply,
+    dict_mlp_params,
+    equinox_mlp,
+    penzai_v1_mlp,
+    penzai_v2_mlp,
+)
 from penzai import pz
 
 from pztrain.state import DonatedStateError, TrainState
 from pztrain.step import build_train_step
 from pztrain.summary import Summary, optimizer_state_types, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _row(summary: Summary, name: str):
@@ -293,3 +306,88 @@ def test_treescope_text_of_a_deep_model_has_short_lines():
     text = treescope.render_to_text(state)
     assert max(map(len, text.splitlines())) < 200
     assert "layer11" in text
+
+
+_EIGHT_DEVICES = """
+import json, sys
+import jax, optax
+sys.path.insert(0, "tests")
+from models import dict_mlp_params
+from pztrain.sharding import ShardingRules, shard_state
+from pztrain.state import TrainState
+
+state = TrainState.initial_state(dict_mlp_params(hidden=16), optax.adam(0.1),
+                                 jax.random.key(0))
+mesh = jax.make_mesh((8,), ("data",))
+summary = shard_state(state, mesh, ShardingRules(fsdp="data")).summary()
+print(json.dumps({"rows": {r.name: r.sharding for r in summary.rows},
+                  "header": summary.splitlines()[2].split(),
+                  "html": summary._repr_html_()}))
+"""
+
+
+def test_a_state_on_eight_devices_shows_its_shardings():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["PYTHONPATH"] = str(ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", _EIGHT_DEVICES],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.splitlines()[-1])
+    assert out["rows"] == {
+        "dense0/kernel": "P(None, 'data')",
+        "dense0/bias": "P('data',)",
+        "dense1/kernel": "P('data',)",
+        "dense1/bias": "P()",
+    }
+    assert out["header"][-1] == "sharding"
+    assert "<th>sharding</th>" in out["html"]
+
+
+def test_penzai_v1_frozen_params_are_named_by_parameter_name():
+    state = TrainState.initial_state(
+        penzai_v1_mlp(hidden=16),
+        optax.adam(0.1),
+        jax.random.key(0),
+        trainable="Affine_1",
+    )
+    kinds = {r.name: r.kind for r in state.summary().rows}
+    assert kinds == {
+        "Affine_1.AddBias.bias": "trainable",
+        "Affine_1.Linear.weights": "trainable",
+        "Affine_0.AddBias.bias": "frozen",
+        "Affine_0.Linear.weights": "frozen",
+    }
+
+
+def test_flax_style_state_lists_its_params_pytree():
+    state = TrainState.create(
+        apply_fn=dict_mlp_apply, params=dict_mlp_params(hidden=4), tx=optax.sgd(0.1)
+    )
+    summary = state.summary()
+    assert [(r.name, r.shape) for r in summary.rows] == [
+        ("dense0/bias", (4,)),
+        ("dense0/kernel", (2, 4)),
+        ("dense1/bias", (2,)),
+        ("dense1/kernel", (4, 2)),
+    ]
+    assert _total(summary, "params")[1:4] == ("4", "22", "88 B")
+    assert _total(summary, "model_without_params")[1:4] == ("0", "0", "0 B")
+
+
+def test_treescope_shows_a_summary_as_its_table():
+    summary = TrainState.initial_state(
+        {"w": jnp.zeros(2)}, optax.adam(0.1), jax.random.key(0)
+    ).summary()
+    page = treescope.render_to_html(summary, compressed=False)
+    assert "<table>" in page and "ScaleByAdamState" in page
+    text = treescope.render_to_text(summary)
+    assert text.startswith(summary.title)
+    words = str(summary).split()
+    assert text.split()[: len(words)] == words
