@@ -22,6 +22,8 @@ from pztrain._optax import (
     set_hyperparams,
 )
 from pztrain._tree import describe
+from pztrain._treescope import readable_treescope
+from pztrain.summary import Summary, summarize
 
 __all__ = ["TrainState", "DonatedStateError"]
 
@@ -95,11 +97,6 @@ def _owned_copy(tree: Any, avoid: set[int], always: bool = False) -> Any:
         return x
 
     return jax.tree.map(own, tree)
-
-
-def _nbytes(tree: Any) -> tuple[int, int]:
-    arrays = [x for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")]
-    return sum(int(np.prod(x.shape)) for x in arrays), sum(x.nbytes for x in arrays)
 
 
 def _check_grads(grads: Any, params: Any) -> None:
@@ -368,27 +365,17 @@ class TrainState(pz.Struct):
         self.check_not_donated("state.with_hyperparams(...)")
         return self.replace(opt_state=set_hyperparams(self.opt_state, values))
 
-    def summary(self) -> str:
-        """A short text summary: step, parameter counts and bytes per part.
+    def summary(self) -> Summary:
+        """The state at a glance: a row per array, totals per part, step, key.
 
-        Reads the step from the device (one host sync).
+        A ``str`` (``print(state.summary())``) shown as HTML tables in a
+        notebook; see `pztrain.summary.summarize`. Reads the step from the device.
         """
-        self.check_not_donated("state.summary()")
-        rows = [
-            ("params", self.params),
-            ("model_without_params", self.model_without_params),
-            ("opt_state", self.opt_state),
-            ("loss_fn_state", self.loss_fn_state),
-        ]
-        n_tensors = len(jax.tree.leaves(self.params))
-        lines = [
-            f"{type(self).__name__} at step {int(self.step)}: {n_tensors} trainable "
-            f"arrays, optimizer {type(self.opt_state).__name__}"
-        ]
-        for name, tree in rows:
-            count, nbytes = _nbytes(tree)
-            lines.append(f"  {name:<21} {count:>14,} values {nbytes:>16,} bytes")
-        return "\n".join(lines)
+        return summarize(self)
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        """Penzai's view, unfolded by width in text (`readable_treescope`)."""
+        return readable_treescope(super().__treescope_repr__(path, subtree_renderer))
 
     # --------------------------------------------------------------- updates
 

@@ -1,0 +1,97 @@
+"""Treescope's text view of a `TrainState`, unfolded by width.
+
+Treescope lays a tree out for about 20 lines and folds the rest; in text a
+folded node is written on one line, which for a model or an optimizer state is
+thousands of characters long. `readable_treescope` is the hint
+``TrainState.__treescope_repr__`` gives treescope: in text every node wider
+than a line is unfolded; the HTML view keeps treescope's foldable layout.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+from treescope import layout_algorithms, rendering_parts
+
+__all__ = ["readable_treescope"]
+
+
+def _foldables(part: Any) -> list[Any]:
+    """Every foldable node in ``part``, outermost first."""
+    found, todo = [], list(part.foldables_in_this_part())
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        todo += node.as_expanded_part().foldables_in_this_part()
+    return found
+
+
+class _UnfoldedInText(rendering_parts.RenderableTreePart):
+    """A rendering that HTML shows as laid out, and text unfolded by width.
+
+    Treescope folds nodes to fit ~20 lines; in text a folded node is one line,
+    thousands of characters long for a model. For text, this part unfolds every
+    node wider than `WIDTH`, renders, and puts the layout back.
+    """
+
+    WIDTH = 80
+
+    def __init__(self, part: Any):
+        self.part = part
+
+    def _compute_collapsed_width(self) -> int:
+        return self.part.collapsed_width
+
+    def _compute_newlines_in_expanded_parent(self) -> int:
+        return self.part.newlines_in_expanded_parent
+
+    def _compute_layout_marks_in_this_part(self) -> frozenset[Any]:
+        return self.part.layout_marks_in_this_part
+
+    def foldables_in_this_part(self) -> Sequence[Any]:
+        return self.part.foldables_in_this_part()
+
+    def html_setup_parts(self, context: Any, /) -> set[Any]:
+        return self.part.html_setup_parts(context)
+
+    def render_to_html(self, stream: io.TextIOBase, **kwargs: Any) -> None:
+        self.part.render_to_html(stream, **kwargs)
+
+    def render_to_text(self, stream: io.TextIOBase, **kwargs: Any) -> None:
+        nodes = _foldables(self.part)
+        layout = [node.get_expand_state() for node in nodes]
+        for node in nodes:
+            node.set_expand_state(rendering_parts.ExpandState.WEAKLY_COLLAPSED)
+        try:
+            layout_algorithms.expand_for_balanced_layout(
+                self.part, max_height=None, target_width=self.WIDTH
+            )
+            self.part.render_to_text(stream, **kwargs)
+        finally:
+            for node, state in zip(nodes, layout, strict=True):
+                node.set_expand_state(state)
+
+
+def readable_treescope(rendering: Any) -> Any:
+    """Makes treescope's text render of ``rendering`` unfold by width.
+
+    ``TrainState.__treescope_repr__`` passes penzai's rendering of the state
+    through this, so ``treescope.render_to_text(state)`` shows every part of the
+    state, however deep, in lines of about 80 characters (a single array's
+    summary may be longer); notebooks keep treescope's foldable HTML.
+
+    Args:
+      rendering: What a ``__treescope_repr__`` returns (or ``NotImplemented``).
+
+    Returns:
+      The same rendering, wrapped.
+    """
+    if isinstance(rendering, rendering_parts.RenderableAndLineAnnotations):
+        return rendering_parts.RenderableAndLineAnnotations(
+            _UnfoldedInText(rendering.renderable), rendering.annotations
+        )
+    if isinstance(rendering, rendering_parts.RenderableTreePart):
+        return _UnfoldedInText(rendering)
+    return rendering
