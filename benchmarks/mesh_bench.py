@@ -36,6 +36,10 @@ from jax.sharding import AxisType  # noqa: E402
 
 import pztrain  # noqa: E402
 
+# SYNC: both implementations wait for each step before dispatching the next. With
+# steps queued back to back, XLA's in-process collectives of 8 simulated devices on
+# 2 cores deadlock for models this size (an all-reduce rendezvous where only some of
+# the 8 device threads ever arrive, aborted after 40 s).
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
 
 
@@ -75,6 +79,7 @@ def build_pztrain(state, mesh, x, y):
         s = holder[0]
         for _ in range(n):
             s, _ = step(s, x=x, y=y)
+            jax.block_until_ready(s.params)  # see SYNC
         holder[0] = s
         return s.params
 
@@ -103,6 +108,7 @@ def build_raw(state, batch_sharding, x, y):
         p, o = holder[0]
         for _ in range(n):
             p, o = jitted(p, o, x, y)
+            jax.block_until_ready(p)  # see SYNC
         holder[0] = (p, o)
         return p
 
