@@ -4,12 +4,13 @@ Run: ``python examples/char_lm.py`` (after ``pip install -e ".[examples]"``).
 Nothing is downloaded: the text is the Python Language Reference topics that
 ``help()`` shows, from the standard library's ``pydoc_data.topics`` (79
 topics, about 465k characters, 103 distinct; every CPython install ships it).
-The first 90% trains, the last 10% is held out.
+The first 90% trains; 16k characters of the last 10% measure bits per character.
 
 It trains a 2-block llamalike transformer (width 64, 4 heads, context 64) with
 `pztrain.fit`, evaluates bits per character (cross-entropy / ln 2) on the held
 out text, checkpoints with `pztrain.Checkpoints` and ``resume=True`` (run it
-again with a larger ``--steps`` and it continues where it stopped), then loads
+again with a larger ``--steps`` and it continues where it stopped, its learning
+rate schedule stretched to the new total), then loads
 the trained params into a freshly built model with `pztrain.load_params` and
 greedily samples ~100 characters from a prompt.
 """
@@ -63,9 +64,8 @@ def windows(ids: np.ndarray, seq: int, stride: int) -> dict[str, np.ndarray]:
     return {"tokens": rows[:, :-1], "targets": rows[:, 1:]}
 
 
-def build_model(vocab_size: int, seed: int = 0, seq: int = 64):
-    """A 2-block llamalike transformer, width 64, 4 heads (about 0.2M params)."""
-    del seq  # RoPE positions: any length works; kept for a uniform signature
+def build_model(vocab_size: int, seed: int = 0):
+    """A 2-block llamalike transformer, width 64, 4 heads (about 120k params)."""
     config = llamalike_common.LlamalikeTransformerConfig(
         num_kv_heads=4,
         query_head_multiplier=1,
@@ -137,12 +137,17 @@ def greedy_sample(model, vocab: Vocab, prompt: str, length: int, seq: int) -> st
 
 
 def prepare(seq: int):
-    """The vocabulary, and train / eval windows (first 90% / last 10%)."""
+    """The vocabulary, and train / eval windows (first 90% / last 10%).
+
+    Evaluation reads the first 16k held-out characters (evaluating all 46k at
+    every eval would cost a tenth of the run, and most of a short one).
+    """
     text = load_text()
     vocab = Vocab(text)
     ids = vocab.encode(text)
     cut = int(0.9 * len(ids))
-    return vocab, windows(ids[:cut], seq, seq // 4), windows(ids[cut:], seq, seq)
+    held_out = ids[cut : cut + 16_384 + 1]
+    return vocab, windows(ids[:cut], seq, seq // 4), windows(held_out, seq, seq)
 
 
 def eval_loader(eval_data):
@@ -151,10 +156,10 @@ def eval_loader(eval_data):
     return pztrain.ArrayLoader(eval_data, size, shuffle=False)
 
 
-def train(steps, seq, run_dir, batch_size=32, progress=True, seed=0):
+def train(steps, seq, run_dir, batch_size=16, progress=True, seed=0):
     """Trains (or resumes) the run in ``run_dir``; returns (state, history)."""
     vocab, train_data, eval_data = prepare(seq)
-    model = build_model(len(vocab), seed, seq)
+    model = build_model(len(vocab), seed)
     warmup = min(50, steps // 10)
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup, steps)
     optimizer = optax.chain(
@@ -187,7 +192,7 @@ def main(
     steps: int = 600,
     seq: int = 64,
     run_dir: str = "runs/char_lm",
-    batch_size: int = 32,
+    batch_size: int = 16,
     progress: bool = True,
     seed: int = 0,
 ) -> tuple[float, str]:
@@ -212,7 +217,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600, help="total steps")
     parser.add_argument("--seq", type=int, default=64, help="context length")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--run-dir", default="runs/char_lm")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
