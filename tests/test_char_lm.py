@@ -1,0 +1,55 @@
+"""examples/char_lm.py, reduced: trains, resumes, reloads and samples."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+from penzai import pz
+
+import pztrain
+from pztrain.records import History
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "char_lm.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("char_lm", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_char_lm_trains_resumes_reloads_and_samples(tmp_path):
+    lm = _load()
+    run_dir = tmp_path / "run"
+    seq = 32
+
+    # First half: 30 steps, checkpointed; the checkpoint holds the state's params.
+    state, _ = lm.train(30, seq, run_dir, batch_size=16, progress=False)
+    assert int(state.step) == 30
+    vocab, _, eval_data = lm.prepare(seq)
+    fresh = lm.build_model(len(vocab), seed=1)  # other initial weights
+    loaded = pztrain.load_params(run_dir / "ckpt", fresh)
+    tokens = eval_data["tokens"][:8]
+    logits = jax.jit(lm.logits_of)  # one compile for the three models
+
+    def logits_of(model):
+        return np.asarray(logits(pz.freeze_params(model), tokens))
+
+    expected = logits_of(state.model)
+    assert not np.array_equal(logits_of(fresh), expected)
+    np.testing.assert_array_equal(logits_of(loaded), expected)
+
+    # Second half: the same run directory, 60 steps in all: resumes at 30.
+    bits, sample = lm.main(steps=60, seq=seq, run_dir=str(run_dir), progress=False)
+    steps, _ = History.from_jsonl(run_dir).series("loss")
+    assert steps == sorted(set(steps)) and steps[-1] == 60 and 30 in steps
+    assert sorted(int(p.name) for p in (run_dir / "ckpt").iterdir())[-1] == 60
+
+    assert bits < math.log2(len(vocab)) - 1.5  # uniform guessing: log2(vocab)
+    assert isinstance(sample, str) and len(sample) == 100
+    assert set(sample) <= set(vocab.chars)
