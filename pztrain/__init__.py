@@ -12,9 +12,11 @@ from pztrain import (
     data,
     loggers,
     metrics,
+    monitors,
     partition,
     precision,
     sharding,
+    summary,
 )
 from pztrain._version import __version__ as __version__
 from pztrain.callbacks import (
@@ -104,6 +106,7 @@ __all__ = [
     "loggers",
     "metrics",
     "mixed_precision",
+    "monitors",
     "partition",
     "precision",
     "put_batch",
@@ -114,4 +117,5 @@ __all__ = [
     "sharded_initial_state",
     "sharding",
     "state_shardings",
+    "summary",
 ]

@@ -18,7 +18,7 @@ import jax
 
 from pztrain import checkpoint
 from pztrain._meta import CheckpointError, CheckpointMismatchError
-from pztrain._orbax import barrier
+from pztrain._orbax import all_agree, barrier
 from pztrain.state import TrainState
 
 __all__ = [
@@ -89,20 +89,23 @@ def _rename_aside(directory: Path, steps: list[int]) -> None:
 
 def read(path: Path, like: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
     """Checkpoint ``path`` restored into ``like``, with the callback states saved
-    with it; ``None`` (and a warning naming it) if it cannot be read.
+    with it; ``None`` (and a warning naming it) if it cannot be read. With
+    several processes, ``None`` unless every process read it (so that all of
+    them resume from the same step and meet at the same barriers).
 
     Raises:
       CheckpointMismatchError: if it is readable but of another structure.
     """
+    found = None
     try:
         state = checkpoint.load_state(path, like)
         meta = checkpoint.read_metadata(path)
+        found = state, meta.get("metadata", {}).get("callbacks", {})
     except CheckpointMismatchError:
         raise
     except CheckpointError as e:
         warnings.warn(f"Skipping unreadable checkpoint {path}: {e}", stacklevel=4)
-        return None
-    return state, meta.get("metadata", {}).get("callbacks", {})
+    return found if all_agree(found is not None) else None
 
 
 def refuse_used(directory: Path, steps: list[int]) -> None:

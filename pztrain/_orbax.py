@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from pztrain._meta import CheckpointError
 
-__all__ = ["barrier", "checkpointer", "handlers", "ocp", "write"]
+__all__ = ["all_agree", "barrier", "checkpointer", "handlers", "ocp", "write"]
 
 
 class _QuietNonOcdbtMerge(logging.Filter):
@@ -122,3 +123,12 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def all_agree(flag: bool) -> bool:
+    """Whether ``flag`` holds in every process (``flag`` itself in one process)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(flag))))

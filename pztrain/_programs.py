@@ -136,4 +136,7 @@ class KeepShardings:
             return x.sharding
 
         shardings = jax.tree_util.tree_map_with_path(sharding_of, carry)
+        # The metric sums (replicated scalars) come and go between calls (fit's
+        # accumulate, then a plain call): ``None`` lets jit place them.
+        shardings = shardings._replace(sums=None)
         return jax.jit(self._fn, out_shardings=(shardings, None, None), **self._options)

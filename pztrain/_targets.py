@@ -105,7 +105,7 @@ def target_of(x: Any, *, host: bool) -> jax.ShapeDtypeStruct:
     """
     sharding = getattr(x, "sharding", None)
     if sharding is None and not (host and isinstance(x, np.ndarray)):
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 

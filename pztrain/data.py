@@ -382,6 +382,12 @@ def _check_sharding(sharding: Any, batch_size: int, drop_remainder: bool) -> Non
             "batch (e.g. NamedSharding(mesh, P('data'))); got "
             f"{type(sharding).__name__}."
         )
+    if not sharding.spec or sharding.spec[0] is None:
+        raise BatchError(
+            f"ArrayLoader's sharding {sharding.spec} must split the first axis of a "
+            "batch (its examples), e.g. P('data'): pass the sharding of one batch, "
+            "pztrain.sharding.data_sharding(mesh), also with steps_per_call."
+        )
     shards = data_shards(sharding)
     if batch_size % shards:
         raise BatchError(

@@ -117,6 +117,9 @@ def test_fit_keeps_every_sharding():
     state, history = pztrain.fit(state, step, loader, num_steps=12, progress=False)
     assert shardings_of(state) == before
     assert int(state.step) == 12 and np.isfinite(history.last()["metrics"]["loss"])
+    # The same step by hand after fit (no metric sums in the carry now).
+    state, _ = step(state, x=x[0, :32], y=y[0, :32])
+    assert shardings_of(state) == before and int(state.step) == 13
 
 
 def test_compiled_steps_have_the_expected_collectives():

@@ -7,9 +7,12 @@ import re
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import pztrain
 from pztrain.data import (
     ArrayLoader,
     BatchError,
@@ -348,3 +351,31 @@ def test_prefetch_early_close_does_not_hang():
                 break
 
     _run_with_timeout(consume_break)
+
+
+def test_a_loader_sharding_must_split_the_examples():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("data",))
+    data = {"x": np.ones((16, 3), np.float32)}
+    with pytest.raises(pztrain.BatchError, match=r"must split the first axis"):
+        pztrain.ArrayLoader(data, 4, sharding=NamedSharding(mesh, P(None, "data")))
+
+
+def test_a_mesh_step_refuses_an_on_device_loader_without_a_sharding():
+    mesh = jax.make_mesh((1,), ("data",))
+
+    def loss_fn(*, model, state, rng, x):
+        loss = jnp.mean(x * model["w"])
+        return loss, state, {"loss": loss}
+
+    state = pztrain.TrainState.initial_state(
+        {"w": jnp.ones(3)}, optax.sgd(0.1), jax.random.key(0)
+    )
+    loader = pztrain.ArrayLoader({"x": np.ones((16, 3), np.float32)}, 4, on_device=True)
+    step = pztrain.build_train_step(loss_fn, mesh=mesh)
+    with pytest.raises(
+        ValueError, match=r"on a mesh but ArrayLoader\(on_device=True\)"
+    ):
+        pztrain.fit(state, step, loader, num_steps=2, progress=False)

@@ -47,9 +47,10 @@ def evaluate(state: TrainState, eval_step: EvalStep, data: Iterable[Any]) -> dic
     sums, total = None, 0
     sharding = data.batch_sharding() if isinstance(data, ArrayLoader) else None
     for batch in data:
-        n = check_batch(batch)
+        check_batch(batch)
         if sharding is not None:  # this process's rows of a global batch
-            batch, n = put_batch(batch, sharding), n * jax.process_count()
+            batch = put_batch(batch, sharding)
+        n = check_batch(batch)  # examples of the (global) batch
         values = eval_step(state, **batch)
         if sums is None:
             sums = jax.tree.map(lambda _: jnp.zeros((), jnp.float32), values)

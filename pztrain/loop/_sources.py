@@ -60,6 +60,12 @@ def batch_source(
     (`pztrain.data.put_batch`).
     """
     if isinstance(data, ArrayLoader) and data.on_device:
+        if sharding is not None and data.sharding is None:
+            raise ValueError(
+                "The train step runs on a mesh but ArrayLoader(on_device=True) has no "
+                "sharding: each step would move the whole epoch onto the mesh. Pass "
+                "ArrayLoader(..., sharding=pztrain.sharding.data_sharding(mesh))."
+            )
         return DeviceEpochs(data, start, steps_per_call)
     if isinstance(data, ArrayLoader):
         if sharding is None:
