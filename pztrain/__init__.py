@@ -29,21 +29,21 @@ from pztrain.callbacks import (
 from pztrain.checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
+    Checkpoints,
     export_safetensors,
     import_safetensors,
+    load_from_checkpoint,
     load_params,
     load_state,
     read_metadata,
     save_params,
     save_state,
 )
-from pztrain.checkpoints import Checkpoints
 from pztrain.data import ArrayLoader, BatchError, put_batch
 from pztrain.loggers import JsonlLogger, TensorBoardLogger
 from pztrain.loop import evaluate, fit
 from pztrain.partition import ApplyFnModel, ParamSlot, PartitionError
 from pztrain.precision import mixed_precision
-from pztrain.rebuild import load_from_checkpoint
 from pztrain.records import History, LoopInfo, Stop
 from pztrain.sharding import (
     ShardingError,

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pztrain.checkpoint import load_params, load_state, save_state
-from pztrain.checkpoints import Checkpoints
+from pztrain.checkpoint import Checkpoints
 from pztrain.data import ArrayLoader
 from pztrain.loop import fit
 from pztrain.state import TrainState

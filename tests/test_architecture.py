@@ -104,17 +104,66 @@ def test_no_module_reads_another_modules_private_names():
     assert found == []
 
 
+def _package_of(module: str) -> str:
+    """The room of a module: its capability folder, or the module itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
 def test_the_leaf_modules_import_nothing_above_them():
     graph = _graph()
     assert graph["pztrain.records"] == set()
     assert graph["pztrain._tree"] == set()
-    assert graph["pztrain._batch"] <= {"pztrain._tree"}
-    assert "pztrain.data" not in graph["pztrain.step"]  # a protocol is enough
+    assert graph["pztrain.data._batch"] <= {"pztrain._tree"}
+    step_modules = [m for m in graph if m.startswith("pztrain.step.")]
+    for m in step_modules:  # a protocol is enough: the step knows no loader
+        assert "pztrain.data._loader" not in graph[m], m
     for low in ("pztrain.state", "pztrain.step", "pztrain.metrics", "pztrain.data"):
-        above = {
-            m for m in graph[low] if m.startswith(("pztrain.loop", "pztrain.call"))
-        }
-        assert above == set(), low
+        for m in [m for m in graph if m == low or m.startswith(low + ".")]:
+            above = {
+                t for t in graph[m] if t.startswith(("pztrain.loop", "pztrain.call"))
+            }
+            assert above == set(), m
+
+
+# The rooms in the order they may import each other: a room imports only rooms
+# before it (its own folder aside). ARCHITECTURE.md draws the same order.
+ROOMS = [
+    "pztrain._version",
+    "pztrain._tree",
+    "pztrain.records",
+    "pztrain._optax",
+    "pztrain.partition",
+    "pztrain.data",
+    "pztrain.metrics",
+    "pztrain.summary",
+    "pztrain.state",
+    "pztrain.sharding",
+    "pztrain.step",
+    "pztrain.precision",
+    "pztrain.callbacks",
+    "pztrain.loggers",
+    "pztrain.monitors",
+    "pztrain.checkpoint",
+    "pztrain.loop",
+    "pztrain.integrations",
+]
+
+
+def test_rooms_import_only_the_rooms_below_them():
+    graph = _graph()
+    rank = {room: i for i, room in enumerate(ROOMS)}
+    unknown = sorted({_package_of(m) for m in graph} - set(rank) - {"pztrain"})
+    assert unknown == [], "rooms missing from ROOMS (and ARCHITECTURE.md)"
+    upward = [
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if m != "pztrain"
+        for t in targets
+        if _package_of(t) != _package_of(m)
+        and rank[_package_of(t)] > rank[_package_of(m)]
+    ]
+    assert upward == []
 
 
 def test_architecture_md_names_every_module():

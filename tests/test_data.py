@@ -86,7 +86,7 @@ def test_order_depends_only_on_seed_and_epoch():
 
 
 def test_orders_made_ahead_match_single_orders_and_are_read_only():
-    from pztrain import data as data_mod
+    from pztrain.data import _loader as data_mod
 
     a = ArrayLoader(_arrays(), 3, seed=7)
     got = [a.order(e) for e in range(20)]  # crosses several blocks made ahead

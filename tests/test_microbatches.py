@@ -11,7 +11,7 @@ import optax
 import pytest
 from penzai import pz
 
-from pztrain._batch import BatchError
+from pztrain.data import BatchError
 from pztrain.data import ArrayLoader
 from pztrain.loop import fit
 from pztrain.state import TrainState

@@ -16,7 +16,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 from pztrain.callbacks import Callback
-from pztrain.checkpoints import Checkpoints
+from pztrain.checkpoint import Checkpoints
 from pztrain.data import ArrayLoader
 from pztrain.integrations.optuna import OptunaPruning
 from pztrain.loop import fit

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 
 from pztrain.callbacks import Callback, ProgressBar
-from pztrain.checkpoints import Checkpoints
+from pztrain.checkpoint import Checkpoints
 from pztrain.data import ArrayLoader
 from pztrain.loggers import JsonlLogger, Logger
 from pztrain.loop._evaluate import evaluate

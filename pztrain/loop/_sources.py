@@ -17,7 +17,7 @@ import operator
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
-from pztrain._batch import BatchError, check_batch, stack_batches
+from pztrain.data._batch import BatchError, check_batch, stack_batches
 from pztrain.data import ArrayLoader, prefetch_to_device, put_batch
 
 __all__ = [

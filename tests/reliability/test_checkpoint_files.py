@@ -272,7 +272,7 @@ def test_a_truncated_chunk_leaves_stderr_clean(tmp_path):
 SHARDED = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np, optax, pztrain
-import pztrain._orbax as orbax_settings
+import pztrain.checkpoint._orbax as orbax_settings
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 root = sys.argv[1]
@@ -400,7 +400,7 @@ def test_resume_skips_a_checkpoint_whose_bytes_changed(tmp_path):
 
 
 def test_checksums_on_several_threads_match_and_catch_a_flip(tmp_path, monkeypatch):
-    import pztrain._integrity as integrity
+    import pztrain.checkpoint._integrity as integrity
 
     params = {f"p{i}": jnp.full(5, float(i)) for i in range(6)}
     serial = pztrain.save_params(tmp_path / "serial", params)

@@ -170,7 +170,7 @@ def test_a_save_that_fails_midway_leaves_the_old_checkpoint_and_no_temporaries(
 ):
     state, _ = STEP(new_state(), x=X)
     pztrain.save_params(tmp_path / "ck", state)
-    import pztrain._orbax as orbax_settings
+    import pztrain.checkpoint._orbax as orbax_settings
 
     class DiskFull:
         def __enter__(self):

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from pztrain._step_fns import Carry, Inputs, Static, key_data
+from pztrain.step._fns import Carry, Inputs, Static, key_data
 from pztrain.partition import split_rest
 from pztrain.state import TrainState
 

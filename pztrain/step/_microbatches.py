@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pztrain._batch import BatchError
+from pztrain.data._batch import BatchError
 from pztrain._tree import named_leaves
 
 __all__ = ["accumulate", "combine_aux", "first_microbatch", "split_batch"]

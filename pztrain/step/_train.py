@@ -1,7 +1,7 @@
 """Train and eval steps: pure functions of a `TrainState` and a batch.
 
 `build_train_step` returns a `TrainStep`, callable as ``(state, **batch) -> (state,
-aux)``. One call runs one jitted function (`pztrain._step_fns.train_fn`) on two
+aux)``. One call runs one jitted function (`pztrain._fns.train_fn`) on two
 named pytrees: a ``Carry`` (step, params, optimizer and loss-function states,
 optional metric sums), donated by name, and ``Inputs`` (key, the arrays of
 ``model_without_params``, batch). The model's static structure is split off
@@ -18,26 +18,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from pztrain import _step_fns
-from pztrain._donation import raise_if_donated
-from pztrain._placement import put_batch
-from pztrain._programs import Found, KeepShardings, Programs, TrainPrograms, args_of
-from pztrain._step_fns import Carry, Inputs, OnDeviceBatches, Static, StepOutputs
-from pztrain.eval_step import EvalFunction, EvalStep, build_eval_step
+from pztrain.step import _fns
+from pztrain.state._donation import raise_if_donated
+from pztrain.data._placement import put_batch
+from pztrain.step._programs import Found, KeepShardings, Programs, TrainPrograms, args_of
+from pztrain.step._fns import Carry, Inputs, OnDeviceBatches, Static, StepOutputs
 from pztrain.metrics import MetricSums, metric_names
 from pztrain.sharding import data_sharding
-from pztrain.state import TrainState, after_step
+from pztrain.state._state import TrainState, after_step
 
-__all__ = [
-    "EvalFunction",
-    "EvalStep",
-    "LossFunction",
-    "OnDeviceBatches",
-    "StepOutputs",
-    "TrainStep",
-    "build_eval_step",
-    "build_train_step",
-]
+__all__ = ["LossFunction", "TrainStep", "build_train_step"]
 
 
 class LossFunction(Protocol):
@@ -112,9 +102,9 @@ class TrainStep:
 
     def _build(self, static: Static, optimizer_def: Any) -> TrainPrograms:
         k, m, loss_fn = self.steps_per_call, self.microbatches, self.loss_fn
-        step = _step_fns.train_fn(loss_fn, static, optimizer_def, k, m)
-        grads = _step_fns.grads_fn(loss_fn, static, m)
-        aux = _step_fns.aux_fn(loss_fn, static, m)
+        step = _fns.train_fn(loss_fn, static, optimizer_def, k, m)
+        grads = _fns.grads_fn(loss_fn, static, m)
+        aux = _fns.aux_fn(loss_fn, static, m)
         if not self.jit:
             return TrainPrograms(step, lambda: grads, aux)
         if self.mesh is not None and self._state_shardings is None:

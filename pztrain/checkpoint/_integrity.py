@@ -38,8 +38,8 @@ import jax
 import numpy as np
 import xxhash
 
-from pztrain._meta import CHECKSUM, CheckpointError
-from pztrain._targets import key_impl, target_of
+from pztrain.checkpoint._metadata import CHECKSUM, CheckpointError
+from pztrain.checkpoint._targets import key_impl, target_of
 from pztrain._tree import describe_shape, is_array
 
 __all__ = [

@@ -13,8 +13,9 @@ import optax
 from penzai import pz
 from penzai.core import struct as pz_struct
 
-from pztrain import _flax, partition
-from pztrain._donation import DonatedStateError, check_alive
+from pztrain import partition
+from pztrain.state import _flax
+from pztrain.state._donation import DonatedStateError, check_alive
 from pztrain._optax import (
     check_optimizer,
     injected_hyperparams,
@@ -22,7 +23,7 @@ from pztrain._optax import (
     set_hyperparams,
 )
 from pztrain._tree import describe
-from pztrain._treescope import readable_treescope
+from pztrain.state._treescope import readable_treescope
 from pztrain.summary import Summary, summarize
 
 __all__ = ["TrainState", "DonatedStateError"]

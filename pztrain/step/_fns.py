@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pztrain._batch import check_batch
-from pztrain._microbatches import accumulate, first_microbatch
+from pztrain.data._batch import check_batch
+from pztrain.step._microbatches import accumulate, first_microbatch
 from pztrain._optax import optimizer_update
 from pztrain._tree import describe, path_repr
 from pztrain.metrics import MetricSums

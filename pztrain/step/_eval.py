@@ -6,10 +6,10 @@ from typing import Any, Protocol
 
 import jax
 
-from pztrain import _step_fns
-from pztrain._donation import raise_if_donated
-from pztrain._programs import Programs, args_of
-from pztrain._step_fns import Static
+from pztrain.step import _fns
+from pztrain.state._donation import raise_if_donated
+from pztrain.step._programs import Programs, args_of
+from pztrain.step._fns import Static
 from pztrain.state import TrainState
 
 __all__ = ["EvalFunction", "EvalStep", "build_eval_step"]
@@ -41,7 +41,7 @@ class EvalStep:
 
     def _build(self, static: Static, optimizer_def: Any) -> Any:
         del optimizer_def  # evaluation does not depend on it
-        fn = _step_fns.eval_fn(self.eval_fn, static)
+        fn = _fns.eval_fn(self.eval_fn, static)
         return jax.jit(fn) if self.jit else fn
 
     def __call__(self, state: TrainState, **batch: Any) -> Any:

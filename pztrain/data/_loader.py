@@ -18,23 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pztrain._batch import BatchError, check_batch, loader_columns, stack_batches
-from pztrain._placement import (
+from pztrain.data._batch import BatchError, check_batch, loader_columns, stack_batches
+from pztrain.data._placement import (
     data_shards,
     prefetch_to_device,
     process_rows,
     put_batch,
 )
 
-__all__ = [
-    "ArrayLoader",
-    "BatchError",
-    "IndexedBatches",
-    "check_batch",
-    "prefetch_to_device",
-    "put_batch",
-    "stack_batches",
-]
+__all__ = ["ArrayLoader", "IndexedBatches"]
 
 
 @dataclasses.dataclass(frozen=True)

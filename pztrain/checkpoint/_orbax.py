@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pztrain._meta import CheckpointError
+from pztrain.checkpoint._metadata import CheckpointError
 
 __all__ = ["all_agree", "barrier", "checkpointer", "handlers", "ocp", "write"]
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pztrain import _ckpt_dir, _orbax, checkpoint
-from pztrain._donation import check_alive
+from pztrain.checkpoint import _directory, _format, _orbax
+from pztrain.state._donation import check_alive
 from pztrain._tree import all_finite
 from pztrain.callbacks import Callback
 from pztrain.records import jsonable
@@ -83,7 +83,7 @@ class Checkpoints(Callback):
         self._manager = None
         self._open = 0  # nesting depth of with-blocks (fit opens one)
         self._saving: int | None = None  # a background save not yet confirmed
-        self._failed: checkpoint.CheckpointError | None = None
+        self._failed: _format.CheckpointError | None = None
         self._new_run()
 
     def _new_run(self) -> None:
@@ -173,7 +173,7 @@ class Checkpoints(Callback):
             )
             return
         self._make_room(step)
-        args = checkpoint.save_args(state.params, state, self._metadata(state, metrics))
+        args = _format.save_args(state.params, state, self._metadata(state, metrics))
         ranked = metrics is not None and self.monitor in metrics
         best = {self.monitor: metrics[self.monitor]} if ranked else None
         self._saves, self._ranked = self._saves + 1, self._ranked + ranked
@@ -187,7 +187,7 @@ class Checkpoints(Callback):
 
     def _metadata(self, state: TrainState, metrics: dict | None) -> dict[str, Any]:
         meta = {"callbacks": self._callback_states(), "hparams": self._hparams}
-        meta = checkpoint.state_metadata(state, meta)
+        meta = _format.state_metadata(state, meta)
         if metrics:
             meta["metrics"] = metrics
         return meta
@@ -197,14 +197,14 @@ class Checkpoints(Callback):
         steps = self.manager.all_steps()
         newest = max(steps, default=step)
         if step < newest:  # keep-last would delete the newest steps
-            raise checkpoint.CheckpointError(
+            raise _format.CheckpointError(
                 f"Checkpoint {step} is older than the newest, {newest}, in "
                 f"{self.directory}; save steps in order (or use another directory)."
             )
         if step not in steps:
             return
         if not self.overwrite:
-            raise checkpoint.CheckpointError(
+            raise _format.CheckpointError(
                 f"Checkpoint {step} already exists in {self.directory}. Save another "
                 "step, or pass Checkpoints(..., overwrite=True) to replace it."
             )
@@ -254,7 +254,7 @@ class Checkpoints(Callback):
     def _save_failed(self, step: int | None, error: Exception) -> Exception:
         """The error of a failed save (kept: later saves raise it too)."""
         self._saving = None
-        self._failed = _ckpt_dir.failed_save(self.directory, step, error)
+        self._failed = _directory.failed_save(self.directory, step, error)
         return self._failed
 
     # -- the start of a run
@@ -278,12 +278,12 @@ class Checkpoints(Callback):
         self.wait()  # a save still pending from a run before (raises its error)
         self._new_run()
         self.continues_run = resume and self.directory.is_dir()  # maybe killed early
-        _ckpt_dir.check_writable(self.directory)
+        _directory.check_writable(self.directory)
         if resume:
             return self.restore_latest(state, callbacks) or state
         steps = self.steps()
         if not self.overwrite:
-            _ckpt_dir.refuse_used(self.directory, steps)
+            _directory.refuse_used(self.directory, steps)
         self._stale = steps  # deleted when training starts (nothing failed before)
         return state
 
@@ -314,14 +314,14 @@ class Checkpoints(Callback):
         """
         if not self.directory.exists():
             return None
-        for tmp in _ckpt_dir.temporaries(self.directory):
+        for tmp in _directory.temporaries(self.directory):
             warnings.warn(
                 f"Removing incomplete checkpoint {tmp} (a save that did not finish).",
                 stacklevel=2,
             )
         unreadable = []
         for step in sorted(self.manager.all_steps(), reverse=True):
-            found = _ckpt_dir.read(self.directory / str(step), like)
+            found = _directory.read(self.directory / str(step), like)
             if found is not None:
                 self._set_aside(unreadable)
                 self._last_done = step
@@ -337,7 +337,7 @@ class Checkpoints(Callback):
     def _set_aside(self, steps: list[int]) -> None:
         if steps:
             self.close()  # the manager must not keep listing them
-            _ckpt_dir.set_aside(self.directory, steps)
+            _directory.set_aside(self.directory, steps)
 
     # -- callback hooks
 

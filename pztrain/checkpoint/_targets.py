@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from pztrain import partition
-from pztrain._meta import CheckpointMismatchError
+from pztrain.checkpoint._metadata import CheckpointMismatchError
 from pztrain._tree import is_array_like, named_leaves, path_repr
 from pztrain.state import TrainState
 

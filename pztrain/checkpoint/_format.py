@@ -31,10 +31,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from pztrain import _integrity, _orbax
-from pztrain._donation import check_alive
-from pztrain._integrity import StoredArray
-from pztrain._meta import (
+from pztrain.checkpoint import _integrity, _orbax
+from pztrain.state._donation import check_alive
+from pztrain.checkpoint._integrity import StoredArray
+from pztrain.checkpoint._metadata import (
     CHECKSUM,
     FORMAT,
     FORMAT_VERSION,
@@ -50,7 +50,7 @@ from pztrain._meta import (
     restored_scalars,
     stored_params,
 )
-from pztrain._targets import (
+from pztrain.checkpoint._targets import (
     concrete,
     filled,
     param_target,

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pztrain._batch import BatchError
+from pztrain.data._batch import BatchError
 
 __all__ = ["data_shards", "prefetch_to_device", "process_rows", "put_batch"]
 

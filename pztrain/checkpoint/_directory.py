@@ -16,9 +16,9 @@ from typing import Any
 
 import jax
 
-from pztrain import checkpoint
-from pztrain._meta import CheckpointError, CheckpointMismatchError
-from pztrain._orbax import all_agree, barrier
+from pztrain.checkpoint import _format
+from pztrain.checkpoint._metadata import CheckpointError, CheckpointMismatchError
+from pztrain.checkpoint._orbax import all_agree, barrier
 from pztrain.state import TrainState
 
 __all__ = [
@@ -98,8 +98,8 @@ def read(path: Path, like: TrainState) -> tuple[TrainState, dict[str, Any]] | No
     """
     found = None
     try:
-        state = checkpoint.load_state(path, like)
-        meta = checkpoint.read_metadata(path)
+        state = _format.load_state(path, like)
+        meta = _format.read_metadata(path)
         found = state, meta.get("metadata", {}).get("callbacks", {})
     except CheckpointMismatchError:
         raise

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from pztrain.checkpoint import load_params, read_metadata
+from pztrain.checkpoint._format import load_params, read_metadata
 
 __all__ = ["load_from_checkpoint"]
 

@@ -1,0 +1,27 @@
+"""Train and eval steps: pure functions of a `TrainState` and a batch.
+
+`build_train_step` returns a `TrainStep`, callable as ``(state, **batch) -> (state,
+aux)``; `build_eval_step` an `EvalStep`.
+
+* `pztrain.step._train`: `TrainStep` (the host side: one hot path per call);
+* `pztrain.step._eval`: `EvalStep`;
+* `pztrain.step._fns`: the pure functions that are jitted, on a ``Carry`` and
+  ``Inputs``;
+* `pztrain.step._programs`: compiled programs per model structure and optimizer;
+* `pztrain.step._microbatches`: gradient accumulation inside the step.
+"""
+
+from pztrain.step._eval import EvalFunction, EvalStep, build_eval_step
+from pztrain.step._fns import OnDeviceBatches, StepOutputs
+from pztrain.step._train import LossFunction, TrainStep, build_train_step
+
+__all__ = [
+    "EvalFunction",
+    "EvalStep",
+    "LossFunction",
+    "OnDeviceBatches",
+    "StepOutputs",
+    "TrainStep",
+    "build_eval_step",
+    "build_train_step",
+]
