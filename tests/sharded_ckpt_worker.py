@@ -22,8 +22,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pztrain.checkpoint import load_params, load_state, save_state
-from pztrain.checkpoint import Checkpoints
+from pztrain.checkpoint import Checkpoints, load_params, load_state, save_state
 from pztrain.data import ArrayLoader
 from pztrain.loop import fit
 from pztrain.state import TrainState

@@ -14,12 +14,10 @@ import pytest
 from models import penzai_v1_mlp, penzai_v2_mlp, xor_loss
 from penzai.deprecated.v1.toolshed import basic_training as pz1_training
 
-from pztrain.checkpoint import save_params
-from pztrain.checkpoint import Checkpoints
+from pztrain.checkpoint import Checkpoints, load_from_checkpoint, save_params
 from pztrain.data import ArrayLoader
 from pztrain.loop import fit
 from pztrain.partition import param_values
-from pztrain.checkpoint import load_from_checkpoint
 from pztrain.state import TrainState
 from pztrain.step import build_eval_step, build_train_step
 

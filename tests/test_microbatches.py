@@ -11,8 +11,7 @@ import optax
 import pytest
 from penzai import pz
 
-from pztrain.data import BatchError
-from pztrain.data import ArrayLoader
+from pztrain.data import ArrayLoader, BatchError
 from pztrain.loop import fit
 from pztrain.state import TrainState
 from pztrain.step import build_train_step

@@ -88,7 +88,9 @@ def _missing(old: dict, new: dict, where: str) -> list[str]:
         for key in ("init", "params"):
             before, after = desc.get(key), now.get(key)
             if before and after is not None:
-                lost += [f"{where}.{name}({p}=) is gone" for p in before if p not in after]
+                lost += [
+                    f"{where}.{name}({p}=) is gone" for p in before if p not in after
+                ]
         for method, params in desc.get("methods", {}).items():
             after = now.get("methods", {}).get(method)
             if after is None:

@@ -1,25 +1,30 @@
 """`Checkpoints`: periodic full-state checkpoints during `pztrain.fit`, and resume.
 
-The policy (when to save, what to keep, resuming from the newest readable one,
-what a directory may hold) over an orbax ``CheckpointManager``; the format on
-disk is `pztrain.checkpoint`'s.
+The callback wires three pieces, each testable alone: `SavePoints` (which host
+points to save at), `Retention` (which checkpoints to keep) and `Writer` (orbax's
+background saves). The format on disk is `pztrain.checkpoint._format`'s; the
+directory's rules (writable, tidy, one readable checkpoint) are
+`pztrain.checkpoint._directory`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pztrain.checkpoint import _directory, _format, _orbax
-from pztrain.state._donation import check_alive
 from pztrain._tree import all_finite
 from pztrain.callbacks import Callback
+from pztrain.checkpoint import _directory, _format
+from pztrain.checkpoint._due import SavePoints
+from pztrain.checkpoint._metadata import CheckpointError
+from pztrain.checkpoint._retention import Retention
+from pztrain.checkpoint._writer import Writer
 from pztrain.records import jsonable
 from pztrain.state import DonatedStateError, TrainState
+from pztrain.state._donation import check_alive
 
 __all__ = ["Checkpoints"]
 
@@ -71,65 +76,48 @@ class Checkpoints(Callback):
         async_save: bool = True,
         overwrite: bool = False,
     ):
-        _check_args(mode, keep_last, keep_best, every_steps)
+        self.retention = Retention(keep_last, keep_best, monitor, mode)
+        if every_steps is not None and (
+            isinstance(every_steps, bool)
+            or not isinstance(every_steps, int)
+            or every_steps < 1
+        ):
+            raise ValueError(f"every_steps must be an int >= 1; got {every_steps!r}.")
         self.directory = Path(directory).absolute()
-        self.every_steps = every_steps
-        self.at_epoch_end = at_epoch_end
-        self.on_eval = keep_best > 0 if on_eval is None else on_eval
-        self.keep_last, self.keep_best = keep_last, keep_best
-        self.monitor, self.mode = monitor, mode
-        self.async_save = async_save
+        on_eval = keep_best > 0 if on_eval is None else on_eval
+        self.points = SavePoints(every_steps, at_epoch_end, on_eval)
+        self.writer = Writer(self.directory, async_save)
         self.overwrite = overwrite
-        self._manager = None
         self._open = 0  # nesting depth of with-blocks (fit opens one)
-        self._saving: int | None = None  # a background save not yet confirmed
-        self._failed: _format.CheckpointError | None = None
         self._new_run()
+
+    # The settings, as the arguments named them.
+    every_steps = property(lambda self: self.points.every_steps)
+    at_epoch_end = property(lambda self: self.points.at_epoch_end)
+    on_eval = property(lambda self: self.points.on_eval)
+    keep_last = property(lambda self: self.retention.keep_last)
+    keep_best = property(lambda self: self.retention.keep_best)
+    monitor = property(lambda self: self.retention.monitor)
+    mode = property(lambda self: self.retention.mode)
+    async_save = property(lambda self: self.writer.async_save)
 
     def _new_run(self) -> None:
         """Forgets what the previous run told it (`prepare` starts a run)."""
+        self.points.reset()
         self._callbacks: tuple[Callback, ...] = ()
-        # Steps: the last saved (or refused), the one this host point should
-        # save, the latest train record's, the host point whose hooks run.
-        self._last_done = self._due = self._last_log = self._open_point = None
         self._eval: tuple[int, dict[str, float]] | None = None  # (step, metrics)
         self._latest_metrics: dict[str, float] = {}
         self._hparams: dict[str, Any] = {}
+        self._metrics: dict[int, dict[str, float] | None] = {}  # by saved step
         self._stale: list[int] = []  # another run's steps, deleted at the start
         self._saves = self._ranked = 0  # saves this run, and those with monitor
         self._running = False  # between on_train_start and on_train_end
         self.continues_run = False  # see prepare
 
-    # -- the orbax manager
-
     @property
     def manager(self) -> Any:
         """The orbax ``CheckpointManager`` (made on first use)."""
-        if self._manager is None:
-            self._manager = self._make_manager()
-        return self._manager
-
-    def _make_manager(self) -> Any:
-        ocp = _orbax.ocp()
-        policies = [ocp.checkpoint_managers.LatestN(self.keep_last)]
-        if self.keep_best:
-            policies.append(
-                ocp.checkpoint_managers.BestN(
-                    get_metric_fn=lambda m: m[self.monitor],
-                    reverse=self.mode == "min",
-                    n=self.keep_best,
-                    keep_checkpoints_without_metrics=False,
-                )
-            )
-        options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=self.async_save,
-            preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
-            cleanup_tmp_directories=True,  # what killed or failed saves left
-            create=True,
-        )
-        return ocp.CheckpointManager(
-            self.directory, item_handlers=_orbax.handlers(), options=options
-        )
+        return self.writer.manager
 
     def __enter__(self) -> Checkpoints:
         self._open += 1
@@ -141,11 +129,17 @@ class Checkpoints(Callback):
 
     def steps(self) -> list[int]:
         """The steps of the complete checkpoints on disk."""
-        return sorted(self.manager.all_steps())
+        return self.writer.steps()
 
     def best_step(self) -> int | None:
         """The step of the best checkpoint by ``monitor`` (``None`` if unknown)."""
-        return self.manager.best_step() if self.keep_best else None
+        if not self.keep_best:
+            return None
+        best = self.retention.best(self._saved())
+        return best[0] if best else None
+
+    def _saved(self) -> dict[int, dict[str, float] | None]:
+        return {s: self._metrics.get(s) for s in self.steps()}
 
     # -- saving
 
@@ -163,7 +157,7 @@ class Checkpoints(Callback):
         """
         check_alive(state, "Checkpoints.save", "the arrays of this TrainState")
         self.wait()  # the previous save first: its error names its step
-        self._last_done = step
+        self.points.saved(step)
         if not all_finite(state.params):
             warnings.warn(
                 f"Not saving checkpoint {step} in {self.directory}: its params are "
@@ -174,16 +168,12 @@ class Checkpoints(Callback):
             return
         self._make_room(step)
         args = _format.save_args(state.params, state, self._metadata(state, metrics))
-        ranked = metrics is not None and self.monitor in metrics
-        best = {self.monitor: metrics[self.monitor]} if ranked else None
-        self._saves, self._ranked = self._saves + 1, self._ranked + ranked
-        try:
-            self.manager.save(step, args=args, metrics=best, force=True)
-        except Exception as e:  # orbax raises many kinds; name the step
-            raise self._save_failed(step, e) from e
-        self._saving = step
+        self._metrics[step] = metrics
+        self._saves += 1
+        self._ranked += metrics is not None and self.monitor in metrics
+        self.writer.save(step, args, wait=not self._open)
         if not self._open:
-            self.wait()
+            self._tidy()
 
     def _metadata(self, state: TrainState, metrics: dict | None) -> dict[str, Any]:
         meta = {"callbacks": self._callback_states(), "hparams": self._hparams}
@@ -194,21 +184,21 @@ class Checkpoints(Callback):
 
     def _make_room(self, step: int) -> None:
         """Refuses (or, with ``overwrite``, deletes) an existing checkpoint ``step``."""
-        steps = self.manager.all_steps()
+        steps = self.steps()
         newest = max(steps, default=step)
         if step < newest:  # keep-last would delete the newest steps
-            raise _format.CheckpointError(
+            raise CheckpointError(
                 f"Checkpoint {step} is older than the newest, {newest}, in "
                 f"{self.directory}; save steps in order (or use another directory)."
             )
         if step not in steps:
             return
         if not self.overwrite:
-            raise _format.CheckpointError(
+            raise CheckpointError(
                 f"Checkpoint {step} already exists in {self.directory}. Save another "
                 "step, or pass Checkpoints(..., overwrite=True) to replace it."
             )
-        self.manager.delete(step)
+        self.writer.delete([step])
 
     def _callback_states(self) -> dict[str, Any]:
         found = {}
@@ -219,43 +209,26 @@ class Checkpoints(Callback):
         return found
 
     def wait(self) -> None:
-        """Blocks until pending saves are on disk.
+        """Blocks until pending saves are on disk, then deletes what
+        ``keep_last`` / ``keep_best`` no longer keep.
 
         Raises:
           CheckpointError: if a background save failed (naming its step).
         """
-        if self._failed is not None:
-            raise self._failed
-        if self._manager is None:
-            return
-        try:
-            self._manager.wait_until_finished()
-        except Exception as e:
-            raise self._save_failed(self._saving, e) from e
-        self._saving = None
+        self.writer.wait()
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """Deletes the complete checkpoints the retention policy lets go."""
+        if self.writer.failed is None and self._metrics:
+            self.writer.delete(self.retention.delete(self._saved()))
 
     def close(self) -> None:
         """Finishes pending saves and releases the manager (even if one failed)."""
-        manager = self._manager
-        if manager is None:
-            return
         try:
             self.wait()
         finally:
-            self._manager = None
-            with contextlib.suppress(Exception):  # the save's error matters more
-                manager.close()
-
-    def _confirm_saves(self) -> None:
-        """Raises the error of a background save that has finished and failed."""
-        if self._saving is not None and not self.manager.is_saving_in_progress():
-            self.wait()
-
-    def _save_failed(self, step: int | None, error: Exception) -> Exception:
-        """The error of a failed save (kept: later saves raise it too)."""
-        self._saving = None
-        self._failed = _directory.failed_save(self.directory, step, error)
-        return self._failed
+            self.writer.close()
 
     # -- the start of a run
 
@@ -274,8 +247,8 @@ class Checkpoints(Callback):
             run's checkpoints; `pztrain.CheckpointMismatchError` (see
             `restore_latest`).
         """
-        self._failed = None
-        self.wait()  # a save still pending from a run before (raises its error)
+        self.writer.failed = None
+        self.writer.wait()  # a save still pending from a run before (its error)
         self._new_run()
         self.continues_run = resume and self.directory.is_dir()  # maybe killed early
         _directory.check_writable(self.directory)
@@ -314,30 +287,19 @@ class Checkpoints(Callback):
         """
         if not self.directory.exists():
             return None
-        for tmp in _directory.temporaries(self.directory):
-            warnings.warn(
-                f"Removing incomplete checkpoint {tmp} (a save that did not finish).",
-                stacklevel=2,
-            )
-        unreadable = []
-        for step in sorted(self.manager.all_steps(), reverse=True):
-            found = _directory.read(self.directory / str(step), like)
-            if found is not None:
-                self._set_aside(unreadable)
-                self._last_done = step
-                state, saved = found
-                for i, cb in enumerate(callbacks):
-                    if f"{i}:{type(cb).__name__}" in saved:
-                        cb.load_state_dict(saved[f"{i}:{type(cb).__name__}"])
-                return state
-            unreadable.append(step)
-        self._set_aside(unreadable)
-        return None
-
-    def _set_aside(self, steps: list[int]) -> None:
-        if steps:
-            self.close()  # the manager must not keep listing them
-            _directory.set_aside(self.directory, steps)
+        _directory.warn_temporaries(self.directory)
+        found = _directory.newest_readable(self.directory, self.steps(), like)
+        if found.unreadable:
+            self.writer.close()  # the manager must not keep listing them
+            _directory.set_aside(self.directory, found.unreadable)
+        self._metrics = found.metrics
+        if found.state is None:
+            return None
+        self.points.saved(found.step)
+        for i, cb in enumerate(callbacks):
+            if f"{i}:{type(cb).__name__}" in found.callbacks:
+                cb.load_state_dict(found.callbacks[f"{i}:{type(cb).__name__}"])
+        return found.state
 
     # -- callback hooks
 
@@ -351,59 +313,42 @@ class Checkpoints(Callback):
         self._hparams = jsonable(dict(info.hparams))
         self._running = True
         self._callbacks = tuple(info.callbacks)
-        if self._last_done is None:
-            self._last_done = info.start_step
+        self.points.start(info.start_step)
         if self._stale:
             warnings.warn(
                 f"Deleting checkpoints {self._stale} in {self.directory} "
                 "(overwrite=True).",
                 stacklevel=2,
             )
-            for step in self._stale:
-                self.manager.delete(step)
+            self.writer.delete(self._stale)
             self._stale = []
 
     def on_advance(self, step, t):
-        self._confirm_saves()  # a failed background save stops the run here
-        self._open_point = step
-
-    def _periodic(self, step: int) -> bool:
-        every, last = self.every_steps, self._last_done
-        return every is not None and last is not None and step - last >= every
+        self.writer.confirm()  # a failed background save stops the run here
+        self.points.advanced(step)
 
     def on_log(self, state, record):
-        self._open_point = self._last_log = record["step"]
         self._latest_metrics.update(record["metrics"])
-        if self._periodic(record["step"]):
-            self._due = record["step"]
+        self.points.logged(record["step"])
 
     def on_eval_end(self, state, record):
         metrics = {f"eval/{k}": v for k, v in record["metrics"].items()}
         metrics.update(self._latest_metrics)
-        if (
-            self.keep_best
-            and self.monitor.startswith("eval/")
-            and (self.monitor not in metrics)
-        ):
-            raise KeyError(
-                f"Checkpoints monitors {self.monitor!r}, which is not among the "
-                f"metrics {sorted(metrics)}."
-            )
+        if self.keep_best and self.monitor.startswith("eval/"):
+            if self.monitor not in metrics:
+                raise KeyError(
+                    f"Checkpoints monitors {self.monitor!r}, which is not among the "
+                    f"metrics {sorted(metrics)}."
+                )
         self._eval = (record["step"], metrics)
-        self._open_point = record["step"]
-        if self.on_eval or self._periodic(record["step"]):
-            self._due = record["step"]
+        self.points.evaluated(record["step"])
 
     def on_epoch_end(self, state, epoch):
-        step = int(state.step)
-        self._open_point = step
-        if self.at_epoch_end or self._periodic(step):
-            self._due = step
+        self.points.epoch_ended(int(state.step))
 
     def on_point_end(self, state, step):
         """Saves if a hook of this point asked: after all of them ran."""
-        due, self._due, self._open_point = self._due, None, None
-        if due == step and step != self._last_done:
+        if self.points.point_ended(step):
             self.save(state, step, self._metrics_at(step))
 
     def _metrics_at(self, step: int) -> dict[str, float]:
@@ -414,20 +359,18 @@ class Checkpoints(Callback):
         return dict(self._latest_metrics)
 
     def on_train_end(self, state, history):
-        """Saves the final state (also after an exception) if its step's train
-        record is logged and its host point over: an interruption between log
-        points or inside a point resumes from the newest checkpoint instead (so
-        the resumed log equals an uninterrupted one). Nothing is saved if the
-        state was consumed, a save failed or the run did not start."""
+        """Saves the final state (also after an exception) if `SavePoints.final`
+        says so. Nothing is saved if the state was consumed, a save failed or
+        the run did not start."""
         running, self._running = self._running, False
-        if self._failed is not None or not running:
+        if self.writer.failed is not None or not running:
             return
         try:
             state.check_not_donated("Checkpoints.on_train_end")
         except DonatedStateError:
             return  # a step failed after taking the state: nothing valid to save
         step = int(state.step)
-        if step not in (self._last_done, self._open_point) and step == self._last_log:
+        if self.points.final(step):
             self.save(state, step, self._metrics_at(step))
         if self.keep_best and self._saves and not self._ranked:
             warnings.warn(
@@ -436,15 +379,3 @@ class Checkpoints(Callback):
                 "logs or evaluates.",
                 stacklevel=2,
             )
-
-
-def _check_args(mode: str, keep_last: int, keep_best: int, every_steps) -> None:
-    if mode not in ("min", "max"):
-        raise ValueError(f"mode must be 'min' or 'max'; got {mode!r}.")
-    for name, value, least in (
-        ("keep_last", keep_last, 1),  # resume needs the newest
-        ("keep_best", keep_best, 0),
-        ("every_steps", 1 if every_steps is None else every_steps, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} must be an int >= {least}; got {value!r}.")

@@ -12,7 +12,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -22,13 +22,15 @@ from pztrain.checkpoint._orbax import all_agree, barrier
 from pztrain.state import TrainState
 
 __all__ = [
+    "Found",
     "check_writable",
     "failed_save",
-    "read",
+    "newest_readable",
     "refuse_used",
     "remove_temporaries",
     "set_aside",
     "temporaries",
+    "warn_temporaries",
 ]
 
 
@@ -87,25 +89,76 @@ def _rename_aside(directory: Path, steps: list[int]) -> None:
         path.rename(aside)
 
 
-def read(path: Path, like: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
-    """Checkpoint ``path`` restored into ``like``, with the callback states saved
-    with it; ``None`` (and a warning naming it) if it cannot be read. With
-    several processes, ``None`` unless every process read it (so that all of
-    them resume from the same step and meet at the same barriers).
+class Found(NamedTuple):
+    """What `newest_readable` found in a directory.
+
+    Attributes:
+      state: The newest readable checkpoint restored, or ``None``.
+      step: Its step.
+      callbacks: The callbacks' ``state_dict`` s saved with it.
+      unreadable: The newer steps that could not be read.
+      metrics: The metrics stored with each readable checkpoint, by step.
+    """
+
+    state: TrainState | None
+    step: int | None
+    callbacks: dict[str, Any]
+    unreadable: list[int]
+    metrics: dict[int, dict[str, float] | None]
+
+
+def newest_readable(directory: Path, steps: list[int], like: TrainState) -> Found:
+    """The newest of checkpoints ``steps`` that reads into ``like``.
+
+    Unreadable ones are skipped with a warning naming them. With several
+    processes a checkpoint counts as readable only if every process read it
+    (so that all of them resume from the same step and meet at the same
+    barriers).
 
     Raises:
-      CheckpointMismatchError: if it is readable but of another structure.
+      CheckpointMismatchError: if a readable checkpoint is of another structure.
     """
-    found = None
+    unreadable = []
+    for step in sorted(steps, reverse=True):
+        found = _read(directory / str(step), like)
+        if all_agree(found is not None):
+            older = [s for s in steps if s < step]
+            metrics = {s: _stored_metrics(directory / str(s)) for s in older}
+            metrics[step] = found[1].get("metrics")
+            callbacks = found[1].get("callbacks", {})
+            return Found(found[0], step, callbacks, unreadable, metrics)
+        unreadable.append(step)
+    return Found(None, None, {}, unreadable, {})
+
+
+def _read(path: Path, like: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
+    """Checkpoint ``path`` restored into ``like``, with its free-form metadata;
+    ``None`` (and a warning naming it) if it cannot be read."""
     try:
         state = _format.load_state(path, like)
-        meta = _format.read_metadata(path)
-        found = state, meta.get("metadata", {}).get("callbacks", {})
+        return state, _format.read_metadata(path).get("metadata", {})
     except CheckpointMismatchError:
         raise
     except CheckpointError as e:
-        warnings.warn(f"Skipping unreadable checkpoint {path}: {e}", stacklevel=4)
-    return found if all_agree(found is not None) else None
+        warnings.warn(f"Skipping unreadable checkpoint {path}: {e}", stacklevel=5)
+    return None
+
+
+def _stored_metrics(path: Path) -> dict[str, float] | None:
+    """The metrics stored with checkpoint ``path`` (``None`` if unreadable)."""
+    try:
+        return _format.read_metadata(path).get("metadata", {}).get("metrics")
+    except CheckpointError:
+        return None
+
+
+def warn_temporaries(directory: Path) -> None:
+    """Warns of each temporary of an unfinished save (orbax removes them)."""
+    for tmp in temporaries(directory):
+        warnings.warn(
+            f"Removing incomplete checkpoint {tmp} (a save that did not finish).",
+            stacklevel=3,
+        )
 
 
 def refuse_used(directory: Path, steps: list[int]) -> None:

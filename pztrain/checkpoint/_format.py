@@ -31,8 +31,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from pztrain._tree import is_array_like, named_leaves, path_repr
+from pztrain._version import __version__
 from pztrain.checkpoint import _integrity, _orbax
-from pztrain.state._donation import check_alive
 from pztrain.checkpoint._integrity import StoredArray
 from pztrain.checkpoint._metadata import (
     CHECKSUM,
@@ -57,9 +58,8 @@ from pztrain.checkpoint._targets import (
     params_of,
     params_target,
 )
-from pztrain._tree import is_array_like, named_leaves, path_repr
-from pztrain._version import __version__
 from pztrain.state import TrainState
+from pztrain.state._donation import check_alive
 
 __all__ = [
     "CheckpointError",
@@ -319,61 +319,24 @@ def _stored_state(
 def _read(
     path: Path, meta: dict[str, Any], **items: list[StoredArray]
 ) -> dict[str, dict[str, Any]]:
-    """Checks the files of ``items`` and reads them, verified: directly for
-    the host or one device, through orbax for arrays sharded over several."""
-    counts = {"params": len(meta["params"]["names"])}
-    counts["state"] = len(meta.get("state", {}).get("paths", []))
-    layouts = {
-        item: _integrity.check_files(path, item, arrays, counts[item])
+    """Reads the arrays of ``items`` through orbax, each onto its target, and
+    verifies them (`pztrain.checkpoint._integrity.verify`)."""
+    targets = {
+        item: {a.key: _integrity.as_written(a.target) for a in arrays}
         for item, arrays in items.items()
     }
-    out, sharded = {}, {}
-    for item, arrays in items.items():
-        direct = [a for a in arrays if _integrity.reads_directly(a.target)]
-        out[item] = _integrity.read(path, item, direct, layouts[item])
-        if len(direct) < len(arrays):
-            sharded[item] = [a for a in arrays if a.key not in out[item]]
-    targets = {
-        item: ({a.key: _integrity.as_written(a.target) for a in arrays}, True)
-        for item, arrays in sharded.items()
+    labels = {
+        f"{item}/{a.key}": a.label for item, arrays in items.items() for a in arrays
     }
-    restored = _restore(path, **targets) if targets else {}
-    for item, arrays in sharded.items():
+    restored = _orbax.restore(path, targets, labels)
+    out = {}
+    for item, arrays in items.items():
         found = {
             a.key: _integrity.from_written(a, restored[item][a.key]) for a in arrays
         }
         _integrity.verify(path, item, arrays, found)
-        out[item].update(found)
+        out[item] = found
     return out
-
-
-def _restore(path: Path, **items: tuple[dict[str, Any], bool]) -> dict[str, Any]:
-    """Restores array items given as ``name=(target, partial)``."""
-    ocp = _orbax.ocp()
-    args = {
-        name: ocp.args.PyTreeRestore(
-            item=target,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-            **({"partial_restore": True} if partial else {}),
-        )
-        for name, (target, partial) in items.items()
-    }
-    try:
-        with _orbax.checkpointer() as checkpointer:
-            return checkpointer.restore(path, args=ocp.args.Composite(**args))
-    except Exception as e:  # orbax raises many kinds; name the checkpoint
-        raise CheckpointError(
-            f"Checkpoint {path} is incomplete or corrupt and could not be read: "
-            f"{_first_cause(e)}. Load another checkpoint."
-        ) from None
-
-
-def _first_cause(e: BaseException) -> str:
-    """The innermost cause of an orbax error, in one line (no TensorStore spec)."""
-    while e.__cause__ is not None:
-        e = e.__cause__
-    line = (str(e).splitlines() or [""])[0].split(" See full TensorStore")[0]
-    return f"{type(e).__name__}: {line[:300]}"
 
 
 # ----------------------------------------------------------------------------

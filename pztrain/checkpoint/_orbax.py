@@ -1,10 +1,10 @@
 """pztrain's orbax settings: the (quiet) import and a checkpoint's item handlers.
 
 A checkpoint directory holds three orbax items: ``params`` and ``state`` (arrays,
-uncompressed, one file per array: save + load then run at about the speed of
+uncompressed, one zarr array per array: save + load then run at about the speed of
 ``np.save`` / ``np.load``, see ``benchmarks/checkpoint_bench.py``) and ``meta``
-(JSON). The arrays are zarr version 2 whatever orbax's default, because a load
-checks their files (`pztrain._integrity`).
+(JSON). pztrain never reads orbax's files itself: `restore` goes through orbax's
+public API, and `pztrain.checkpoint._integrity` checks what it returns.
 
 `write` saves one checkpoint synchronously and atomically, from one process or
 from every process of a multi-process run (each writes its shards; process 0
@@ -14,6 +14,7 @@ renames the finished directory).
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,15 @@ import numpy as np
 
 from pztrain.checkpoint._metadata import CheckpointError
 
-__all__ = ["all_agree", "barrier", "checkpointer", "handlers", "ocp", "write"]
+__all__ = [
+    "all_agree",
+    "barrier",
+    "checkpointer",
+    "handlers",
+    "ocp",
+    "restore",
+    "write",
+]
 
 
 class _QuietNonOcdbtMerge(logging.Filter):
@@ -115,6 +124,80 @@ def _remove_partial(new: Path) -> None:
     """Removes a save's directory and orbax's temporaries for it."""
     for leftover in [new, *new.parent.glob(f"{new.name}.orbax-checkpoint-tmp*")]:
         shutil.rmtree(leftover, ignore_errors=True)
+
+
+def restore(
+    path: Path, items: dict[str, dict[str, Any]], labels: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Restores array items: ``{item: {key: jax.ShapeDtypeStruct}}``, each array
+    onto its target's sharding (a target without one: a NumPy array).
+
+    Args:
+      path: The checkpoint.
+      items: The targets, by item and key.
+      labels: How errors name an array, by ``"<item>/<key>"``.
+
+    Raises:
+      CheckpointError: naming the checkpoint, and the array that orbax could not
+        read (found by reading each alone once the whole read failed).
+    """
+    try:
+        return _restore(path, items)
+    except Exception as e:  # orbax raises many kinds; name the checkpoint
+        cause = _first_cause(e)
+    where = _culprit(path, items, labels or {})
+    raise CheckpointError(
+        f"Checkpoint {path} is incomplete or corrupt: {where} could not be read "
+        f"({cause}). Load another checkpoint (resuming skips this one)."
+    )
+
+
+def _restore(path: Path, items: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    orbax = ocp()
+    args = {
+        item: orbax.args.PyTreeRestore(
+            item=targets,
+            restore_args={k: _restore_args(orbax, t) for k, t in targets.items()},
+            partial_restore=True,  # the keys the target asks for
+        )
+        for item, targets in items.items()
+    }
+    with checkpointer() as reader:
+        restored = reader.restore(path, args=orbax.args.Composite(**args))
+    return {item: dict(restored[item]) for item in items}
+
+
+def _culprit(path: Path, items: dict[str, dict[str, Any]], labels: dict) -> str:
+    """``"<label> (<directory>)"`` of the first array that fails to read alone
+    (``"an array"`` if each reads alone)."""
+    for item, targets in items.items():
+        for key, target in targets.items():
+            try:
+                _restore(path, {item: {key: target}})
+            except Exception:  # noqa: BLE001 - this is the one
+                name = f"{item}/{key}"
+                return f"{labels.get(name, name)} ({path / item / key})"
+    return "an array"
+
+
+def _restore_args(orbax: Any, target: Any) -> Any:
+    if target.sharding is None:
+        return orbax.RestoreArgs(restore_type=np.ndarray, dtype=target.dtype)
+    return orbax.ArrayRestoreArgs(
+        sharding=target.sharding, global_shape=target.shape, dtype=target.dtype
+    )
+
+
+def _first_cause(e: BaseException) -> str:
+    """The innermost cause of an orbax error in one line, without TensorStore's
+    spec, naming the array's directory where the error has it."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e)
+    line = (text.splitlines() or [""])[0].split(" See full TensorStore")[0]
+    where = re.search(r"'path': '([^']*)'", text)
+    found = f" (in {where.group(1).rstrip('/')})" if where else ""
+    return f"{type(e).__name__}: {line[:300]}{found}"
 
 
 def barrier(name: str) -> None:

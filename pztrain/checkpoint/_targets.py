@@ -10,8 +10,8 @@ import jax
 import numpy as np
 
 from pztrain import partition
-from pztrain.checkpoint._metadata import CheckpointMismatchError
 from pztrain._tree import is_array_like, named_leaves, path_repr
+from pztrain.checkpoint._metadata import CheckpointMismatchError
 from pztrain.state import TrainState
 
 __all__ = [

@@ -9,96 +9,24 @@ yields its rows of them, and `put_batch` assembles the global arrays.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pztrain.data._batch import BatchError, check_batch, loader_columns, stack_batches
+from pztrain.data._device import DeviceCopy, IndexedBatches
 from pztrain.data._placement import (
     data_shards,
-    prefetch_to_device,
     process_rows,
-    put_batch,
 )
 
 __all__ = ["ArrayLoader", "IndexedBatches"]
 
 
-@dataclasses.dataclass(frozen=True)
-class IndexedBatches:
-    """One epoch of a dataset on device, already in that epoch's order.
-
-    Each array is laid out ``[batches, batch_size, ...]``: row ``i`` of axis 0 is
-    the ``i``-th batch of the epoch. Step ``s`` reads batch
-    ``s % steps_per_epoch`` (``k`` consecutive batches with ``steps_per_call=k``),
-    sliced inside the jitted step along axis 0: no per-step host work, no
-    per-step transfer. A slice touches only its own rows (a per-step gather
-    from the whole dataset would be costed by XLA as reading all of it). On a
-    mesh the arrays are sharded ``P(None, data)``: every device holds its rows
-    of every batch, so the slice is local to each device and moves no data.
-    `ArrayLoader` with ``on_device=True`` makes one per epoch, permuting its
-    device copy once.
-
-    A pytree: the arrays are its leaves, the two sizes are static.
-
-    Attributes:
-      arrays: Name → array ``[batches, batch_size, ...]`` of the epoch's
-        examples in order; the last batch is padded if the examples do not
-        fill it (only the first ``steps_per_epoch`` batches are read).
-      batch_size: Examples per batch.
-      steps_per_epoch: Batches in the epoch.
-    """
-
-    arrays: dict[str, jax.Array]
-    batch_size: int
-    steps_per_epoch: int
-
-    def take(self, step: jax.Array, count: int = 1) -> dict[str, jax.Array]:
-        """The batch of ``step`` (``count`` batches stacked if ``count > 1``)."""
-        start = step % self.steps_per_epoch
-        if count == 1:
-            cut = lambda v: jax.lax.dynamic_index_in_dim(v, start, keepdims=False)  # noqa: E731
-        else:
-            cut = lambda v: jax.lax.dynamic_slice_in_dim(v, start, count)  # noqa: E731
-        return {k: cut(v) for k, v in self.arrays.items()}
-
-    def batch_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """Shapes and dtypes of one batch (nothing runs on the device)."""
-        return {
-            k: jax.ShapeDtypeStruct((self.batch_size, *v.shape[2:]), v.dtype)
-            for k, v in self.arrays.items()
-        }
-
-
-jax.tree_util.register_dataclass(
-    IndexedBatches,
-    data_fields=["arrays"],
-    meta_fields=["batch_size", "steps_per_epoch"],
-)
-
-
 _ORDER_BYTES = 1 << 20  # budget for epoch orders made ahead (`ArrayLoader.order`)
-
-
-@jax.jit
-def _permute(arrays: dict[str, jax.Array], idx: jax.Array) -> dict[str, jax.Array]:
-    """Rows of ``[batches, batch_size, ...]`` arrays put in the order ``idx``
-    (over the flattened rows)."""
-
-    def one(v: jax.Array) -> jax.Array:
-        flat = v.reshape(-1, *v.shape[2:])
-        # idx is a permutation: in range and unique by construction, so "clip"
-        # skips the out-of-bounds masking of the default mode.
-        return jnp.take(flat, idx, axis=0, mode="clip", unique_indices=True).reshape(
-            v.shape
-        )
-
-    return {k: one(v) for k, v in arrays.items()}
 
 
 class ArrayLoader:
@@ -177,9 +105,7 @@ class ArrayLoader:
         self.drop_remainder = drop_remainder
         self.on_device = on_device
         self.sharding = sharding
-        self._device_arrays: dict[str, jax.Array] | None = None
-        self._device_order: np.ndarray | None = None  # example held by each row
-        self._device_epoch: int | None = None  # the epoch it is arranged for
+        self._device: DeviceCopy | None = None  # the data on the device
         self._orders: dict[int, np.ndarray] = {}  # epoch orders made ahead
         if on_device and not drop_remainder:
             raise BatchError(
@@ -208,7 +134,7 @@ class ArrayLoader:
         spec = PartitionSpec(None, *self.sharding.spec)
         return NamedSharding(self.sharding.mesh, spec)
 
-    def _epoch_sharding(self) -> NamedSharding:
+    def _epoch_sharding(self) -> NamedSharding | None:
         return self.batch_sharding(steps_per_call=2)
 
     def order(self, epoch: int) -> np.ndarray:
@@ -247,76 +173,14 @@ class ArrayLoader:
         return self._batch(self.order(epoch), index)
 
     def device_epoch(self, epoch: int) -> IndexedBatches:
-        """The batches of ``epoch``, as `IndexedBatches` on the device.
-
-        Without a ``sharding``, the arrays are moved to the device once; each new
-        epoch then permutes the device copy into its order with one jitted
-        gather (sending one int32 index per row), and the previous arrangement
-        is dropped: one copy of the data stays on the device (two during the
-        permutation). With a ``sharding``, each new epoch is placed from the
-        host, sharded ``P(None, data)``: every device receives only its rows of
-        every batch (its share of the data; no gather across devices), and each
-        process sends only to its own devices.
-        """
-        if self.sharding is not None:
-            if self._device_arrays is None or (
-                self.shuffle and self._device_epoch != epoch
-            ):
-                self._device_arrays = None  # drop the last epoch first
-                self._device_arrays = self._place_sharded(self.order(epoch))
-                self._device_epoch = epoch
-        else:
-            if self._device_arrays is None:
-                self._device_arrays = self._place()
-            if self.shuffle and self._device_epoch != epoch:
-                self._rearrange(self.order(epoch))
-                self._device_epoch = epoch
-        return IndexedBatches(
-            self._device_arrays, self.batch_size, self.steps_per_epoch
-        )
-
-    def _padded_rows(self) -> int:
-        """Rows of the device layout: whole batches, the last one padded."""
-        return -(-self.num_examples // self.batch_size) * self.batch_size
-
-    def _place(self) -> dict[str, jax.Array]:
-        """The data on the device as ``[batches, batch_size, ...]``, padded."""
-        rows = self._padded_rows()
-        self._device_order = np.arange(rows)  # padding rows: "examples" >= n
-        ids = np.minimum(self._device_order, self.num_examples - 1)
-        return jax.device_put(self._host_epoch(ids))
-
-    def _host_epoch(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        shape = (-1, self.batch_size)
-        return {k: v[ids].reshape(*shape, *v.shape[1:]) for k, v in self.arrays.items()}
-
-    def _place_sharded(self, order: np.ndarray) -> dict[str, jax.Array]:
-        """Epoch ``order`` on the mesh, each device's block read from the host."""
-        pad = self._padded_rows() - self.num_examples  # pad < batch_size <= n
-        ids = np.concatenate([order, order[:pad]]).reshape(-1, self.batch_size)
-        sharding = self._epoch_sharding()
-
-        def place(v: np.ndarray) -> jax.Array:
-            shape = (*ids.shape, *v.shape[1:])
-            return jax.make_array_from_callback(
-                shape, sharding, lambda i: v[ids[i[:2]]][(slice(None),) * 2 + i[2:]]
+        """The batches of ``epoch``, as `IndexedBatches` on the device (see
+        `pztrain.data._device.DeviceCopy`: one copy of the data stays there)."""
+        if self._device is None:
+            self._device = DeviceCopy(
+                self.arrays, self.batch_size, self._epoch_sharding()
             )
-
-        return {k: place(v) for k, v in self.arrays.items()}
-
-    def _rearrange(self, order: np.ndarray) -> None:
-        """Permutes the device copy into ``order`` (padding rows last)."""
-        rows = len(self._device_order)
-        order = np.concatenate([order, np.arange(self.num_examples, rows)])
-        # Row i of the device copy holds example _device_order[i]; the rows
-        # wanted are those holding order[0], order[1], ...
-        where = np.empty_like(self._device_order)
-        where[self._device_order] = np.arange(rows)
-        # The index goes to the jitted gather as a NumPy array: jit's own
-        # transfer is much cheaper than a separate jax.device_put.
-        idx = where[order].astype(np.int32)
-        self._device_arrays = _permute(self._device_arrays, idx)
-        self._device_order = order
+        order = self.order(epoch) if self.shuffle else None
+        return self._device.epoch(epoch, order)
 
     def epoch(self, epoch: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """The batches of one epoch (for evaluation: one pass over the data)."""

@@ -8,9 +8,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pztrain.data._batch import BatchError, check_batch
 from pztrain._tree import named_leaves
 from pztrain.data import ArrayLoader, put_batch
+from pztrain.data._batch import BatchError, check_batch
 from pztrain.loop._hooks import host_reads
 from pztrain.state import TrainState
 from pztrain.step import EvalStep

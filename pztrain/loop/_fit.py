@@ -12,12 +12,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import numbers
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from types import NoneType
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -26,11 +24,12 @@ from pztrain.callbacks import Callback, ProgressBar
 from pztrain.checkpoint import Checkpoints
 from pztrain.data import ArrayLoader
 from pztrain.loggers import JsonlLogger, Logger
+from pztrain.loop._arguments import FitArguments
 from pztrain.loop._evaluate import evaluate
 from pztrain.loop._hooks import Hooks, RecordLog, host_reads
 from pztrain.loop._reporting import Reporter
-from pztrain.loop._schedule import Schedule, check_eval_every_epochs, run_end
-from pztrain.loop._sources import BatchSource, batch_source, check_epochs
+from pztrain.loop._schedule import Schedule, run_end
+from pztrain.loop._sources import BatchSource, batch_source
 from pztrain.records import History, LoopInfo, Stop
 from pztrain.state import TrainState
 from pztrain.step import EvalStep, TrainStep
@@ -95,36 +94,19 @@ def fit(
       ``(state, history)``.
 
     Raises:
-      TypeError: for an argument of the wrong type (named in the message).
-      ValueError: for inconsistent options (named in the message).
+      TypeError, ValueError: for a bad argument or option (named in the message).
     """
-    _check_parts(state, train_step, train_data, eval_step, eval_data, hparams)
-    _check_options(train_step, log_every, eval_every, eval_step, eval_data, prefetch)
-    _check_length(num_steps, num_epochs, checkpoints, resume)
-    _check_epochs(train_data, num_epochs, eval_every, eval_every_epochs, eval_step)
-    callbacks, loggers = _checked_callbacks(callbacks), _checked_loggers(loggers)
+    return _fit(FitArguments(**locals()))
+
+
+def _fit(args: FitArguments) -> tuple[TrainState, History]:
+    """`fit` on checked arguments: prepare checkpoints, wire the run, train."""
+    state, checkpoints = args.state, args.checkpoints
     with checkpoints if checkpoints is not None else contextlib.nullcontext():
         if checkpoints is not None:
-            state = checkpoints.prepare(state, callbacks, resume=resume)
-        every = (log_every, eval_every, eval_every_epochs, eval_step is not None)
-        schedule = _schedule(
-            state, train_step, train_data, num_steps, num_epochs, every, resume
-        )
-        start, k, clock = schedule.start, schedule.steps_per_call, time.perf_counter
-        outputs = _outputs(loggers, run_dir, start, checkpoints, progress, callbacks)
-        history, hooks = _hooks(callbacks, checkpoints, *outputs)
-        run = _Run(
-            train_step=train_step,
-            source=batch_source(train_data, start, k, prefetch, _sharding(train_step)),
-            schedule=schedule,
-            hooks=hooks,
-            reporter=Reporter(hooks, clock, state, start),
-            info=_info(schedule, run_dir, hparams, callbacks),
-            history=history,
-            evaluate=functools.partial(evaluate, eval_step=eval_step, data=eval_data),
-            clock=clock,
-        )
-        return _train(state, run), history
+            state = checkpoints.prepare(state, args.callbacks, resume=args.resume)
+        run = _Run.wire(args, _schedule(state, args))
+        return _train(state, run), run.history
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +122,28 @@ class _Run:
     reporter: Reporter
     evaluate: Callable[[TrainState], dict[str, float]]
     clock: Callable[[], float]  # the reporter's too
+
+    @classmethod
+    def wire(cls, args: FitArguments, schedule: Schedule) -> _Run:
+        """The pieces of a run from ``schedule.start`` (after a resume)."""
+        loggers, bar = _outputs(args, schedule.start)
+        history = History()
+        ckpts = [] if args.checkpoints is None else [args.checkpoints]
+        hooks = Hooks([*bar, *args.callbacks, RecordLog(history, loggers), *ckpts])
+        clock = time.perf_counter
+        return cls(
+            train_step=args.train_step,
+            source=_source(args, schedule),
+            schedule=schedule,
+            hooks=hooks,
+            info=_info(args, schedule),
+            history=history,
+            reporter=Reporter(hooks, clock, args.state, schedule.start),
+            evaluate=functools.partial(
+                evaluate, eval_step=args.eval_step, data=args.eval_data
+            ),
+            clock=clock,
+        )
 
     def evaluation(self, state: TrainState, step: int, epoch: int):
         """Evaluates ``state`` and runs the eval hooks: ``(state, stop)``."""
@@ -226,123 +230,32 @@ def _stop_reason(stop: Stop | None, source: BatchSource) -> str | None:
 # wiring
 
 
-def _check_options(
-    train_step, log_every, eval_every, eval_step, eval_data, prefetch
-) -> None:
-    k = train_step.steps_per_call
-    for name, value in (("log_every", log_every), ("eval_every", eval_every)):
-        if value is not None and (not _is_count(value) or value < 1 or value % k):
-            raise ValueError(
-                f"{name} must be a positive multiple of steps_per_call={k}; got "
-                f"{value!r}."
-            )
-    if (eval_step is None) != (eval_data is None):
-        raise ValueError("eval_step and eval_data go together: pass both or neither.")
-    if eval_every is not None and eval_step is None:
-        raise ValueError(
-            f"eval_every={eval_every!r} needs eval_step and eval_data: pass both, "
-            "or drop eval_every."
-        )
-    if not _is_count(prefetch) or prefetch < 0:
-        raise ValueError(
-            f"prefetch must be an int >= 0 (batches moved to the device ahead; 0 "
-            f"turns it off); got {prefetch!r}."
-        )
-
-
-def _check_epochs(train_data, num_epochs, eval_every, eval_every_epochs, eval_step):
-    """``num_epochs`` needs data with epochs; ``eval_every_epochs`` its options."""
-    check_epochs(train_data, num_epochs)
-    check_eval_every_epochs(eval_every_epochs, eval_every, eval_step is not None)
-
-
-def _schedule(state, train_step, train_data, num_steps, num_epochs, every, resume):
+def _schedule(state: TrainState, args: FitArguments) -> Schedule:
     """The run's `Schedule` from the state's step; warns if it has nothing to
-    do (unless resuming: a finished run resumed is done, nothing to warn of).
-    ``every``: ``(log_every, eval_every, eval_every_epochs, evaluates)``."""
-    log_every, eval_every, eval_every_epochs, evaluates = every
+    do (unless resuming: a finished run resumed is done, nothing to warn of)."""
     with host_reads():
         start = int(state.step)
-    k, per_epoch = train_step.steps_per_call, _epoch_length(train_data)
-    end = run_end(start, k, per_epoch, num_steps, num_epochs)
+    k, per_epoch = args.train_step.steps_per_call, _epoch_length(args.train_data)
+    end = run_end(start, k, per_epoch, args.num_steps, args.num_epochs)
     schedule = Schedule(
-        start, end, k, log_every, eval_every, per_epoch, num_epochs, evaluates,
-        eval_every_epochs,
+        start, end, k, args.log_every, args.eval_every, per_epoch, args.num_epochs,
+        args.evaluates, args.eval_every_epochs,
     )  # fmt: skip
     idle = schedule.nothing_left()
-    if idle is not None and not resume:
-        warnings.warn(f"fit: {idle}.", UserWarning, stacklevel=3)
+    if idle is not None and not args.resume:
+        warnings.warn(f"fit: {idle}.", UserWarning, stacklevel=4)
     return schedule
 
 
-def _check_length(num_steps, num_epochs, checkpoints, resume) -> None:
-    if num_steps is None and num_epochs is None:
-        raise ValueError("Say how long to train: pass num_steps or num_epochs.")
-    if num_steps is not None and num_epochs is not None:
-        raise ValueError("Pass num_steps or num_epochs, not both.")
-    for name, value in (("num_steps", num_steps), ("num_epochs", num_epochs)):
-        if value is not None and (not _is_count(value) or value < 0):
-            raise ValueError(
-                f"{name} must be an int >= 0 (the total to reach); got {value!r}."
-            )
-    if checkpoints is not None and not isinstance(checkpoints, Checkpoints):
-        raise TypeError(
-            "checkpoints must be a pztrain.Checkpoints (e.g. "
-            f"checkpoints=Checkpoints('run/ckpt')); got {type(checkpoints).__name__}."
-        )
-    if resume and checkpoints is None:
-        raise ValueError("resume=True needs checkpoints=Checkpoints(directory).")
-
-
-def _check_parts(state, train_step, train_data, eval_step, eval_data, hparams) -> None:
-    """The types of `fit`'s main arguments (each error names the argument), and
-    a state whose arrays a step consumed."""
-    for name, value, kind, what in (
-        ("state", state, TrainState, "a pztrain.TrainState (initial_state, create)"),
-        ("train_step", train_step, TrainStep, "a TrainStep (build_train_step)"),
-        ("eval_step", eval_step, (EvalStep, NoneType), "an EvalStep or None"),
-        ("hparams", hparams, (Mapping, NoneType), "a dict name -> value, or None"),
-    ):
-        if not isinstance(value, kind):
-            raise TypeError(f"{name} must be {what}; got {type(value).__name__}.")
-    state.check_not_donated("fit(state, ...)")
-    for name, data in (("train_data", train_data), ("eval_data", eval_data)):
-        if isinstance(data, Mapping):
-            raise TypeError(
-                f"{name} is a {type(data).__name__}, one batch; pass "
-                "ArrayLoader(arrays, batch_size) or a list of batch dicts."
-            )
-        if data is not None and not isinstance(data, Iterable):
-            raise TypeError(
-                f"{name} must be an ArrayLoader or an iterable of batch dicts; got "
-                f"{type(data).__name__}."
-            )
-    if train_data is None:
-        raise TypeError("train_data is None; pass an ArrayLoader or a list of batches.")
-
-
-def _is_count(value: Any) -> bool:
-    """An integer (Python or NumPy), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _outputs(loggers, run_dir, start, checkpoints, progress, callbacks):
+def _outputs(args: FitArguments, start: int) -> tuple[list[Logger], list]:
     """The run's loggers and progress bar: on process 0 only, so that a run of
     several processes writes one log and shows one bar. A resumed run's log
     goes on from ``start`` (`Checkpoints.prepare` says whether it resumed)."""
     if jax.process_index() != 0:
         return [], []
-    resumed = checkpoints is not None and checkpoints.continues_run
-    loggers = _default_loggers(run_dir, start, resumed, loggers)
-    return loggers, _progress_bar(progress, callbacks)
-
-
-def _hooks(callbacks, checkpoints, loggers, bar) -> tuple[History, Hooks]:
-    """The run's `History` and its hooks, in order: the progress bar, the
-    callbacks, the records (history and loggers), the checkpoints."""
-    history = History()
-    ckpts = [] if checkpoints is None else [checkpoints]
-    return history, Hooks([*bar, *callbacks, RecordLog(history, loggers), *ckpts])
+    resumed = args.checkpoints is not None and args.checkpoints.continues_run
+    loggers = _default_loggers(args.run_dir, start, resumed, args.loggers)
+    return loggers, _progress_bar(args.progress, args.callbacks)
 
 
 def _default_loggers(run_dir, start: int, resumed: bool, given) -> list[Logger]:
@@ -362,9 +275,12 @@ def _default_loggers(run_dir, start: int, resumed: bool, given) -> list[Logger]:
     return [log, *(given or ())]
 
 
-def _sharding(train_step: TrainStep) -> Any:
-    """Where the step wants its batches (``None``: the default device)."""
-    return getattr(train_step, "batch_sharding", None)
+def _source(args: FitArguments, schedule: Schedule) -> BatchSource:
+    """The run's batches from its first step, where the step wants them
+    (``batch_sharding``; ``None``: the default device)."""
+    sharding = getattr(args.train_step, "batch_sharding", None)
+    k = schedule.steps_per_call
+    return batch_source(args.train_data, schedule.start, k, args.prefetch, sharding)
 
 
 def _epoch_length(train_data: Any) -> int | None:
@@ -384,47 +300,7 @@ def _progress_bar(progress: bool | Callback, callbacks: list[Callback]) -> list:
     return [ProgressBar()]
 
 
-def _checked_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
-    if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
-        raise TypeError(
-            "callbacks must be a list of pztrain.Callback (callbacks=[...]); got "
-            f"{type(callbacks).__name__}."
-        )
-    callbacks = list(callbacks)
-    for i, cb in enumerate(callbacks):
-        if not isinstance(cb, Callback):
-            raise TypeError(
-                f"callbacks[{i}] is a {type(cb).__name__}; callbacks subclass "
-                "pztrain.Callback (override the hooks you need). Loggers go in "
-                "loggers=."
-            )
-    return callbacks
-
-
-def _checked_loggers(loggers: Sequence[Logger] | None) -> list[Logger] | None:
-    if loggers is None:
-        return None
-    if isinstance(loggers, Logger) or not isinstance(loggers, Iterable):
-        raise TypeError(
-            "loggers must be a list of loggers (loggers=[...]); got "
-            f"{type(loggers).__name__}."
-        )
-    loggers = list(loggers)
-    for i, lg in enumerate(loggers):
-        if isinstance(lg, Callback):
-            raise TypeError(
-                f"loggers[{i}] is a {type(lg).__name__}, a Callback; callbacks go "
-                "in callbacks=."
-            )
-        if not isinstance(lg, Logger):
-            raise TypeError(
-                f"loggers[{i}] has type {type(lg).__name__}; a logger has "
-                "log_hparams, log_record and close (pztrain.loggers.Logger)."
-            )
-    return loggers
-
-
-def _info(schedule: Schedule, run_dir, hparams, callbacks) -> LoopInfo:
+def _info(args: FitArguments, schedule: Schedule) -> LoopInfo:
     return LoopInfo(
         start_step=schedule.start,
         end_step=schedule.end_step,
@@ -432,7 +308,7 @@ def _info(schedule: Schedule, run_dir, hparams, callbacks) -> LoopInfo:
         steps_per_call=schedule.steps_per_call,
         log_every=schedule.log_every,
         evaluates=schedule.evaluates,
-        run_dir=None if run_dir is None else str(run_dir),
-        hparams=dict(hparams or {}),
-        callbacks=tuple(callbacks),
+        run_dir=None if args.run_dir is None else str(args.run_dir),
+        hparams=dict(args.hparams or {}),
+        callbacks=tuple(args.callbacks),
     )

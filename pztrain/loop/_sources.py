@@ -17,8 +17,8 @@ import operator
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
-from pztrain.data._batch import BatchError, check_batch, stack_batches
 from pztrain.data import ArrayLoader, prefetch_to_device, put_batch
+from pztrain.data._batch import BatchError, check_batch, stack_batches
 
 __all__ = [
     "BatchSource",

@@ -14,8 +14,6 @@ from penzai import pz
 from penzai.core import struct as pz_struct
 
 from pztrain import partition
-from pztrain.state import _flax
-from pztrain.state._donation import DonatedStateError, check_alive
 from pztrain._optax import (
     check_optimizer,
     injected_hyperparams,
@@ -23,6 +21,8 @@ from pztrain._optax import (
     set_hyperparams,
 )
 from pztrain._tree import describe
+from pztrain.state import _flax
+from pztrain.state._donation import DonatedStateError, check_alive
 from pztrain.state._treescope import readable_treescope
 from pztrain.summary import Summary, summarize
 

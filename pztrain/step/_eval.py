@@ -6,11 +6,11 @@ from typing import Any, Protocol
 
 import jax
 
-from pztrain.step import _fns
-from pztrain.state._donation import raise_if_donated
-from pztrain.step._programs import Programs, args_of
-from pztrain.step._fns import Static
 from pztrain.state import TrainState
+from pztrain.state._donation import raise_if_donated
+from pztrain.step import _fns
+from pztrain.step._fns import Static
+from pztrain.step._programs import Programs, args_of
 
 __all__ = ["EvalFunction", "EvalStep", "build_eval_step"]
 

@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pztrain.data._batch import check_batch
-from pztrain.step._microbatches import accumulate, first_microbatch
 from pztrain._optax import optimizer_update
 from pztrain._tree import describe, path_repr
+from pztrain.data._batch import check_batch
 from pztrain.metrics import MetricSums
 from pztrain.partition import RestSpec
+from pztrain.step._microbatches import accumulate, first_microbatch
 
 __all__ = [
     "Carry",

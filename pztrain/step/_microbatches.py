@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pztrain.data._batch import BatchError
 from pztrain._tree import named_leaves
+from pztrain.data._batch import BatchError
 
 __all__ = ["accumulate", "combine_aux", "first_microbatch", "split_batch"]
 

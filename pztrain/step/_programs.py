@@ -8,9 +8,9 @@ from typing import Any, NamedTuple
 
 import jax
 
-from pztrain.step._fns import Carry, Inputs, Static, key_data
 from pztrain.partition import split_rest
 from pztrain.state import TrainState
+from pztrain.step._fns import Carry, Inputs, Static, key_data
 
 __all__ = ["Found", "KeepShardings", "Programs", "TrainPrograms", "args_of"]
 

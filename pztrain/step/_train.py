@@ -18,14 +18,20 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from pztrain.step import _fns
-from pztrain.state._donation import raise_if_donated
 from pztrain.data._placement import put_batch
-from pztrain.step._programs import Found, KeepShardings, Programs, TrainPrograms, args_of
-from pztrain.step._fns import Carry, Inputs, OnDeviceBatches, Static, StepOutputs
 from pztrain.metrics import MetricSums, metric_names
 from pztrain.sharding import data_sharding
+from pztrain.state._donation import raise_if_donated
 from pztrain.state._state import TrainState, after_step
+from pztrain.step import _fns
+from pztrain.step._fns import Carry, Inputs, Static, StepOutputs
+from pztrain.step._programs import (
+    Found,
+    KeepShardings,
+    Programs,
+    TrainPrograms,
+    args_of,
+)
 
 __all__ = ["LossFunction", "TrainStep", "build_train_step"]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,83 +75,108 @@ def _not_a_mismatch(excinfo: pytest.ExceptionInfo) -> None:
     assert not isinstance(excinfo.value, CheckpointMismatchError), excinfo.value
 
 
-# ------------------------------------------- on-disk array metadata
+# ------------------------------------------------ damaged array files
+#
+# pztrain reads arrays through orbax's API and checks what comes back against
+# the JSON (shape, dtype, xxh3-64 checksum): whatever changed on disk, the load
+# is refused naming the array, and never returns other values.
 
 
-@pytest.mark.parametrize(
-    "edit, said",
-    [
-        (lambda z: z.update(dtype="<i4"), "dtype '<i4'"),  # same size: was cast
-        (lambda z: z.update(dtype="<f2"), "dtype '<f2'"),
-        (lambda z: z.update(shape=[2], chunks=[2]), "shape [2]"),
-        (lambda z: z.update(compressor={"id": "zstd"}), "compressor {'id': 'zstd'}"),
-        (lambda z: z.update(chunks=[1]), "has 16 bytes, not the 4 of its chunk"),
-    ],
-    ids=["dtype-same-size", "dtype-other-size", "shape", "compressed", "chunks"],
+def _zarray(edit):
+    return lambda ckpt: _edit_json(ckpt / "params" / "1" / ".zarray", edit)
+
+
+def _truncate(ckpt):
+    chunk = _chunk(ckpt / "params" / "1")
+    chunk.write_bytes(chunk.read_bytes()[:7])
+
+
+def _link_out(ckpt):
+    chunk = _chunk(ckpt / "params" / "1")
+    outside = ckpt.parent / "outside"
+    outside.write_bytes(np.full(4, 5.0, np.float32).tobytes())
+    chunk.unlink()
+    chunk.symlink_to(outside)
+
+
+# orbax reads the arrays of an item concurrently; when one read fails, it
+# abandons the others, whose errors Python reports later as unraisable ("Exception
+# ignored in: <coroutine ...>", "Event loop is closed"). That noise is orbax's,
+# and only a damaged checkpoint makes it; pztrain's error is what these check.
+orbax_abandons_reads = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning"
 )
-def test_array_files_described_otherwise_than_the_json_are_refused(
-    tmp_path, edit, said
-):
+
+DAMAGE = {
+    "dtype-same-size": _zarray(lambda z: z.update(dtype="<i4")),  # read as a cast
+    "dtype-other-size": _zarray(lambda z: z.update(dtype="<f2")),
+    "shape": _zarray(lambda z: z.update(shape=[2], chunks=[2])),
+    "compressed": _zarray(lambda z: z.update(compressor={"id": "zstd"})),
+    "chunks": _zarray(lambda z: z.update(chunks=[1])),
+    "truncated": _truncate,
+    "missing": lambda ckpt: _chunk(ckpt / "params" / "1").unlink(),
+    "flipped": lambda ckpt: _flip_a_bit(_chunk(ckpt / "params" / "1"), at=1),
+    "linked-out": _link_out,
+    "array-gone": lambda ckpt: shutil.rmtree(ckpt / "params" / "1"),
+}
+
+
+@orbax_abandons_reads
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_array_files_are_refused_naming_the_parameter(tmp_path, damage):
     ckpt = pztrain.save_params(tmp_path / "p", PARAMS)
-    _edit_json(ckpt / "params" / "1" / ".zarray", edit)
-    with pytest.raises(CheckpointError, match=_corrupt(ckpt, "params/1/", said)) as e:
+    DAMAGE[damage](ckpt)
+    with pytest.raises(CheckpointError, match=_corrupt(ckpt)) as e:
         pztrain.load_params(ckpt, _like())
     _not_a_mismatch(e)
-    assert "parameter 'w'" in str(e.value) and "TensorStore" not in str(e.value)
+    message = str(e.value)
+    assert f"parameter 'w' ({ckpt / 'params' / '1'})" in message, message
+    assert "TensorStore" not in message and "\n" not in message
 
 
-def test_a_state_array_described_otherwise_is_named_by_its_path(tmp_path):
-    ckpt = pztrain.save_state(tmp_path / "s", _state())
+@orbax_abandons_reads
+def test_a_damaged_state_array_is_named_by_its_path(tmp_path):
+    trained = _state().apply_gradients({"w": jnp.ones(4)})  # mu is not zero
+    ckpt = pztrain.save_state(tmp_path / "s", trained)
     paths = pztrain.read_metadata(ckpt)["state"]["paths"]
     i = paths.index(".opt_state[0].mu['w']")
-    _edit_json(ckpt / "state" / str(i) / ".zarray", lambda z: z.update(dtype="<i4"))
-    with pytest.raises(
-        CheckpointError,
-        match=_corrupt(
-            ckpt,
-            f"state/{i}/.zarray, the description of state array "
-            ".opt_state[0].mu['w'], says dtype '<i4'",
-        ),
-    ):
-        pztrain.load_state(ckpt, _state())
+    for edit in (lambda z: z.update(dtype="<i4"), lambda z: z.update(dtype="<f2")):
+        _edit_json(ckpt / "state" / str(i) / ".zarray", edit)
+        with pytest.raises(CheckpointError, match=_corrupt(ckpt)) as e:
+            pztrain.load_state(ckpt, _state())
+        assert f"state array .opt_state[0].mu['w'] ({ckpt / 'state' / str(i)})" in (
+            str(e.value)
+        )
 
 
+@orbax_abandons_reads
 @pytest.mark.parametrize(
-    "edit, said",
+    "edit",
     [
-        (lambda m: m["tree_metadata"].popitem(), "does not list the 2 plain arrays"),
-        (
-            lambda m: m["tree_metadata"]["('1',)"]["value_metadata"].update(
-                value_type="scalar"
-            ),
-            "does not list the 2 plain arrays",
+        lambda m: m["tree_metadata"].popitem(),
+        lambda m: m["tree_metadata"]["('1',)"]["value_metadata"].update(
+            value_type="scalar"
         ),
-        (
-            lambda m: m["tree_metadata"]["('1',)"]["value_metadata"].update(
-                skip_deserialize=True
-            ),
-            "does not list the 2 plain arrays",
+        lambda m: m["tree_metadata"]["('1',)"]["value_metadata"].update(
+            skip_deserialize=True
         ),
-        (
-            lambda m: m["tree_metadata"]["('1',)"]["key_metadata"][0].update(key=1),
-            "does not list the 2 plain arrays",
-        ),
+        lambda m: m["tree_metadata"]["('1',)"]["key_metadata"][0].update(key=1),
     ],
     ids=["an-array-left-out", "not-an-array", "value-from-elsewhere", "int-key"],
 )
-def test_orbax_listing_that_differs_from_the_json_is_refused(tmp_path, edit, said):
+def test_an_edited_orbax_listing_never_changes_a_value(tmp_path, edit):
     ckpt = pztrain.save_params(tmp_path / "p", PARAMS)
     _edit_json(ckpt / "params" / "_METADATA", edit)
-    with pytest.raises(
-        CheckpointError, match=_corrupt(ckpt, "params/_METADATA", said)
-    ) as e:
-        pztrain.load_params(ckpt, _like())
-    _not_a_mismatch(e)
+    try:
+        back = pztrain.load_params(ckpt, _like())
+    except CheckpointError as e:
+        assert not isinstance(e, CheckpointMismatchError), e
+    else:  # orbax did not need the entry: the values are the saved ones
+        np.testing.assert_array_equal(back["w"], W)
+        np.testing.assert_array_equal(back["b"], PARAMS["b"])
 
 
-# --------------------------------------------- only the expected files
-
-
+@orbax_abandons_reads
 def test_an_aggregate_file_never_supplies_a_param(tmp_path):
     from orbax.checkpoint import msgpack_utils
 
@@ -159,16 +185,13 @@ def test_an_aggregate_file_never_supplies_a_param(tmp_path):
     (ckpt / "params" / "checkpoint").write_bytes(
         msgpack_utils.msgpack_serialize(values)
     )
-    with pytest.raises(
-        CheckpointError,
-        match=re.escape(
-            f"Checkpoint {ckpt} is refused: {ckpt / 'params' / 'checkpoint'} is an "
-            "orbax aggregate file, which pztrain never writes"
-        )
-        + ".*Delete it if you trust the rest",
-    ) as e:
-        pztrain.load_params(ckpt, _like())
-    _not_a_mismatch(e)
+    try:
+        back = pztrain.load_params(ckpt, _like())
+    except CheckpointError as e:
+        assert "parameter '" in str(e)
+    else:
+        np.testing.assert_array_equal(back["w"], W)
+        np.testing.assert_array_equal(back["b"], PARAMS["b"])
 
 
 def test_other_extra_files_are_ignored(tmp_path):
@@ -182,66 +205,16 @@ def test_other_extra_files_are_ignored(tmp_path):
     assert sorted(back.params) == ["w"]
 
 
-def test_a_chunk_file_linked_out_of_the_checkpoint_is_refused(tmp_path):
+def test_a_link_to_the_same_bytes_is_read(tmp_path):
     ckpt = pztrain.save_params(tmp_path / "p", PARAMS)
     chunk = _chunk(ckpt / "params" / "1")
-    outside = tmp_path / "outside"
-    outside.write_bytes(np.full(4, 5.0, np.float32).tobytes())
-    chunk.unlink()
-    chunk.symlink_to(outside)
-    with pytest.raises(
-        CheckpointError,
-        match=re.escape(
-            f"Checkpoint {ckpt} is refused: {chunk}, a file of parameter 'w', leads "
-            f"to {outside}, outside the checkpoint"
-        ),
-    ) as e:
-        pztrain.load_params(ckpt, _like())
-    _not_a_mismatch(e)
-    # A whole array directory linked out is refused the same way.
-    chunk.unlink()
-    chunk.write_bytes(np.asarray(W).tobytes())
-    moved = tmp_path / "moved"
-    (ckpt / "params" / "1").rename(moved)
-    (ckpt / "params" / "1").symlink_to(moved)
-    with pytest.raises(CheckpointError, match="outside the checkpoint"):
-        pztrain.load_params(ckpt, _like())
-
-
-def test_a_link_that_stays_inside_the_checkpoint_is_read(tmp_path):
-    ckpt = pztrain.save_params(tmp_path / "p", PARAMS)
-    chunk = _chunk(ckpt / "params" / "1")
-    copy = ckpt / "params" / "copy"
+    copy = tmp_path / "copy"
     chunk.rename(copy)
     chunk.symlink_to(copy)
     np.testing.assert_array_equal(pztrain.load_params(ckpt, _like())["w"], W)
 
 
-# ---------------------------------------- truncated and missing chunks
-
-
-@pytest.mark.parametrize("damage", ["truncate", "delete"])
-def test_a_truncated_or_missing_chunk_names_the_parameter_and_the_file(
-    tmp_path, damage
-):
-    ckpt = pztrain.save_params(tmp_path / "p", PARAMS)
-    chunk = _chunk(ckpt / "params" / "1")
-    if damage == "truncate":
-        chunk.write_bytes(chunk.read_bytes()[:7])
-        said = "has 7 bytes, not the 16 of its chunk"
-    else:
-        chunk.unlink()
-        said = "is missing"
-    with pytest.raises(
-        CheckpointError,
-        match=_corrupt(ckpt, f"{chunk}, a file of parameter 'w', {said}"),
-    ) as e:
-        pztrain.load_params(ckpt, _like())
-    _not_a_mismatch(e)
-    assert "TensorStore" not in str(e.value)
-
-
-def test_a_truncated_chunk_leaves_stderr_clean(tmp_path):
+def test_a_damaged_checkpoint_fails_in_one_line_in_a_fresh_process(tmp_path):
     ckpt = pztrain.save_state(tmp_path / "s", _state())
     paths = pztrain.read_metadata(ckpt)["state"]["paths"]
     chunk = _chunk(ckpt / "state" / str(paths.index(".opt_state[0].mu['w']")))
@@ -263,10 +236,9 @@ def test_a_truncated_chunk_leaves_stderr_clean(tmp_path):
         timeout=120,
     )
     assert out.returncode == 0
-    assert out.stderr == ""
-    assert f"{chunk}, a file of state array .opt_state[0].mu['w'], has 3 bytes" in (
-        out.stdout
-    )
+    (line,) = out.stdout.splitlines()
+    assert f"state array .opt_state[0].mu['w'] ({chunk.parent})" in line, line
+    assert "TensorStore" not in line
 
 
 SHARDED = """
@@ -348,10 +320,11 @@ def test_arrays_sharded_over_devices_are_read_by_orbax_and_verified(tmp_path):
         out["flip"],
     ), out["flip"]
     assert out["orbax"] == (
-        f"Checkpoint {ckpt} is incomplete or corrupt and could not be read: "
-        'ValueError: FAILED_PRECONDITION: Error reading local file "f". Load '
-        "another checkpoint."
-    )
+        f"Checkpoint {ckpt} is incomplete or corrupt: parameter 'a' "
+        f"({ckpt / 'params' / '0'}) could not be read (ValueError: "
+        'FAILED_PRECONDITION: Error reading local file "f"). Load another '
+        "checkpoint (resuming skips this one)."
+    ), out["orbax"]
 
 
 # --------------------------------------------------------------- checksums

@@ -1,0 +1,111 @@
+"""The background writer of a `pztrain.Checkpoints` directory.
+
+An orbax ``CheckpointManager`` that keeps every checkpoint (which to delete is
+`pztrain.checkpoint._retention`'s decision) and remembers a save that failed
+in the background, so that every later call raises its error, naming its step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from pztrain.checkpoint import _directory, _orbax
+from pztrain.checkpoint._metadata import CheckpointError
+
+__all__ = ["Writer"]
+
+
+class Writer:
+    """Saves checkpoints ``<directory>/<step>``, in the background if ``async_save``.
+
+    Args:
+      directory: The root directory.
+      async_save: Write in the background (else each save returns once on disk).
+    """
+
+    def __init__(self, directory: Path, async_save: bool):
+        self.directory = directory
+        self.async_save = async_save
+        self._manager: Any = None
+        self._saving: int | None = None  # a background save not yet confirmed
+        self.failed: CheckpointError | None = None
+
+    @property
+    def manager(self) -> Any:
+        """The orbax ``CheckpointManager`` (made on first use)."""
+        if self._manager is None:
+            ocp = _orbax.ocp()
+            options = ocp.CheckpointManagerOptions(
+                enable_async_checkpointing=self.async_save,
+                cleanup_tmp_directories=True,  # what killed or failed saves left
+                create=True,
+            )
+            self._manager = ocp.CheckpointManager(
+                self.directory, item_handlers=_orbax.handlers(), options=options
+            )
+        return self._manager
+
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints on disk."""
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, args: Any, *, wait: bool) -> None:
+        """Starts saving ``args`` as checkpoint ``step`` (waits if ``wait``).
+
+        Raises:
+          CheckpointError: naming the step, if this or an earlier save failed.
+        """
+        self.wait()  # the previous save first: its error names its step
+        try:
+            self.manager.save(step, args=args, force=True)
+        except Exception as e:  # orbax raises many kinds; name the step
+            raise self._failed(step, e) from e
+        self._saving = step
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Blocks until pending saves are on disk.
+
+        Raises:
+          CheckpointError: if a background save failed (naming its step).
+        """
+        if self.failed is not None:
+            raise self.failed
+        if self._manager is None:
+            return
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise self._failed(self._saving, e) from e
+        self._saving = None
+
+    def confirm(self) -> None:
+        """Raises the error of a background save that has finished and failed."""
+        if self._saving is not None and not self.manager.is_saving_in_progress():
+            self.wait()
+
+    def delete(self, steps: list[int]) -> None:
+        """Deletes checkpoints ``steps`` (none of them may be saving)."""
+        for step in steps:
+            self.manager.delete(step)
+
+    def close(self) -> None:
+        """Finishes pending saves and releases the manager (even if one failed)."""
+        manager = self._manager
+        if manager is None:
+            return
+        try:
+            self.wait()
+        finally:
+            self._manager = None
+            with contextlib.suppress(Exception):  # the save's error matters more
+                manager.close()
+
+    def _failed(self, step: int | None, error: Exception) -> CheckpointError:
+        """The error of a failed save (kept: later calls raise it too)."""
+        self._saving = None
+        self.failed = _directory.failed_save(self.directory, step, error)
+        return self.failed

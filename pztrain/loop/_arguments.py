@@ -1,0 +1,196 @@
+"""`fit`'s arguments, checked once: each error names the argument and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from types import NoneType
+from typing import Any
+
+from pztrain.callbacks import Callback, ProgressBar
+from pztrain.checkpoint import Checkpoints
+from pztrain.loggers import Logger
+from pztrain.loop._schedule import check_eval_every_epochs
+from pztrain.loop._sources import check_epochs
+from pztrain.state import TrainState
+from pztrain.step import EvalStep, TrainStep
+
+__all__ = ["FitArguments"]
+
+
+@dataclasses.dataclass
+class FitArguments:
+    """The arguments of one `pztrain.fit` call (see its docstring), checked.
+
+    ``callbacks`` becomes a list, ``loggers`` a list or ``None``.
+
+    Raises:
+      TypeError: for an argument of the wrong type (named in the message).
+      ValueError: for inconsistent options (named in the message).
+    """
+
+    state: TrainState
+    train_step: TrainStep
+    train_data: Any
+    num_steps: int | None = None
+    num_epochs: int | None = None
+    eval_step: EvalStep | None = None
+    eval_data: Iterable[Any] | None = None
+    eval_every: int | None = None
+    eval_every_epochs: int | None = None
+    log_every: int = 100
+    callbacks: Sequence[Callback] = ()
+    loggers: Sequence[Logger] | None = None
+    run_dir: str | os.PathLike | None = None
+    hparams: dict[str, Any] | None = None
+    progress: bool | ProgressBar = True
+    prefetch: int = 2
+    checkpoints: Checkpoints | None = None
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        _check_parts(
+            self.state,
+            self.train_step,
+            self.train_data,
+            self.eval_step,
+            self.eval_data,
+            self.hparams,
+        )
+        _check_options(
+            self.train_step,
+            self.log_every,
+            self.eval_every,
+            self.eval_step,
+            self.eval_data,
+            self.prefetch,
+        )
+        _check_length(self.num_steps, self.num_epochs, self.checkpoints, self.resume)
+        check_epochs(self.train_data, self.num_epochs)
+        check_eval_every_epochs(
+            self.eval_every_epochs, self.eval_every, self.eval_step is not None
+        )
+        self.callbacks = _checked_callbacks(self.callbacks)
+        self.loggers = _checked_loggers(self.loggers)
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates."""
+        return self.eval_step is not None
+
+
+def _check_options(
+    train_step, log_every, eval_every, eval_step, eval_data, prefetch
+) -> None:
+    k = train_step.steps_per_call
+    for name, value in (("log_every", log_every), ("eval_every", eval_every)):
+        if value is not None and (not _is_count(value) or value < 1 or value % k):
+            raise ValueError(
+                f"{name} must be a positive multiple of steps_per_call={k}; got "
+                f"{value!r}."
+            )
+    if (eval_step is None) != (eval_data is None):
+        raise ValueError("eval_step and eval_data go together: pass both or neither.")
+    if eval_every is not None and eval_step is None:
+        raise ValueError(
+            f"eval_every={eval_every!r} needs eval_step and eval_data: pass both, "
+            "or drop eval_every."
+        )
+    if not _is_count(prefetch) or prefetch < 0:
+        raise ValueError(
+            f"prefetch must be an int >= 0 (batches moved to the device ahead; 0 "
+            f"turns it off); got {prefetch!r}."
+        )
+
+
+def _check_length(num_steps, num_epochs, checkpoints, resume) -> None:
+    if num_steps is None and num_epochs is None:
+        raise ValueError("Say how long to train: pass num_steps or num_epochs.")
+    if num_steps is not None and num_epochs is not None:
+        raise ValueError("Pass num_steps or num_epochs, not both.")
+    for name, value in (("num_steps", num_steps), ("num_epochs", num_epochs)):
+        if value is not None and (not _is_count(value) or value < 0):
+            raise ValueError(
+                f"{name} must be an int >= 0 (the total to reach); got {value!r}."
+            )
+    if checkpoints is not None and not isinstance(checkpoints, Checkpoints):
+        raise TypeError(
+            "checkpoints must be a pztrain.Checkpoints (e.g. "
+            f"checkpoints=Checkpoints('run/ckpt')); got {type(checkpoints).__name__}."
+        )
+    if resume and checkpoints is None:
+        raise ValueError("resume=True needs checkpoints=Checkpoints(directory).")
+
+
+def _check_parts(state, train_step, train_data, eval_step, eval_data, hparams) -> None:
+    """The types of `fit`'s main arguments (each error names the argument), and
+    a state whose arrays a step consumed."""
+    for name, value, kind, what in (
+        ("state", state, TrainState, "a pztrain.TrainState (initial_state, create)"),
+        ("train_step", train_step, TrainStep, "a TrainStep (build_train_step)"),
+        ("eval_step", eval_step, (EvalStep, NoneType), "an EvalStep or None"),
+        ("hparams", hparams, (Mapping, NoneType), "a dict name -> value, or None"),
+    ):
+        if not isinstance(value, kind):
+            raise TypeError(f"{name} must be {what}; got {type(value).__name__}.")
+    state.check_not_donated("fit(state, ...)")
+    for name, data in (("train_data", train_data), ("eval_data", eval_data)):
+        if isinstance(data, Mapping):
+            raise TypeError(
+                f"{name} is a {type(data).__name__}, one batch; pass "
+                "ArrayLoader(arrays, batch_size) or a list of batch dicts."
+            )
+        if data is not None and not isinstance(data, Iterable):
+            raise TypeError(
+                f"{name} must be an ArrayLoader or an iterable of batch dicts; got "
+                f"{type(data).__name__}."
+            )
+    if train_data is None:
+        raise TypeError("train_data is None; pass an ArrayLoader or a list of batches.")
+
+
+def _is_count(value: Any) -> bool:
+    """An integer (Python or NumPy), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _checked_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
+    if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
+        raise TypeError(
+            "callbacks must be a list of pztrain.Callback (callbacks=[...]); got "
+            f"{type(callbacks).__name__}."
+        )
+    callbacks = list(callbacks)
+    for i, cb in enumerate(callbacks):
+        if not isinstance(cb, Callback):
+            raise TypeError(
+                f"callbacks[{i}] is a {type(cb).__name__}; callbacks subclass "
+                "pztrain.Callback (override the hooks you need). Loggers go in "
+                "loggers=."
+            )
+    return callbacks
+
+
+def _checked_loggers(loggers: Sequence[Logger] | None) -> list[Logger] | None:
+    if loggers is None:
+        return None
+    if isinstance(loggers, Logger) or not isinstance(loggers, Iterable):
+        raise TypeError(
+            "loggers must be a list of loggers (loggers=[...]); got "
+            f"{type(loggers).__name__}."
+        )
+    loggers = list(loggers)
+    for i, lg in enumerate(loggers):
+        if isinstance(lg, Callback):
+            raise TypeError(
+                f"loggers[{i}] is a {type(lg).__name__}, a Callback; callbacks go "
+                "in callbacks=."
+            )
+        if not isinstance(lg, Logger):
+            raise TypeError(
+                f"loggers[{i}] has type {type(lg).__name__}; a logger has "
+                "log_hparams, log_record and close (pztrain.loggers.Logger)."
+            )
+    return loggers
