@@ -1,5 +1,26 @@
-"""Strict JAX settings for the test suite."""
+"""Strict JAX settings for the test suite, and a persistent compilation cache.
+
+The cache keeps XLA's compiled programs between runs (in the system's temporary
+directory, or ``$PZTRAIN_JAX_CACHE``; ``PZTRAIN_JAX_CACHE=0`` turns it off), so a
+second ``python -m pytest -m "not slow"`` compiles almost nothing. JAX keys
+every entry by the program, the JAX version and the flags: a hit is the same
+program.
+"""
+
+import getpass
+import os
+import tempfile
+from pathlib import Path
 
 import jax
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+_cache = os.environ.get(
+    "PZTRAIN_JAX_CACHE",
+    str(Path(tempfile.gettempdir()) / f"pztrain-jax-cache-{getpass.getuser()}"),
+)
+if _cache not in ("", "0"):
+    jax.config.update("jax_compilation_cache_dir", _cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # subprocesses, notebooks, examples
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

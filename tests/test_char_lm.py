@@ -8,10 +8,13 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from penzai import pz
 
 import pztrain
 from pztrain.records import History
+
+pytestmark = pytest.mark.slow  # subprocesses, notebooks, examples
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "char_lm.py"
 

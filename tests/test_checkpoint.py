@@ -392,6 +392,7 @@ def _worker(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["kill", "kill_saving"])
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path, mode):
     full = _worker(tmp_path / "full", "full")
@@ -424,6 +425,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, mode):
     assert steps == list(range(2, 25, 2))
 
 
+@pytest.mark.slow
 def test_async_save_outside_fit_is_finished_at_exit(tmp_path):
     code = (
         "import jax, jax.numpy as jnp, optax, pztrain\n"

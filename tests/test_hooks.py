@@ -285,6 +285,7 @@ def _python(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inside_with", [False, True])
 def test_saves_outside_fit_are_on_disk_when_the_program_ends(tmp_path, inside_with):
     """Outside a with-block, save waits for the disk; a with-block finishes its

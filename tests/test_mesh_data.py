@@ -43,6 +43,7 @@ def _sharding():
     return NamedSharding(mesh, P("data"))
 
 
+@pytest.mark.slow
 def test_on_8_devices_mesh_batches_match_one_device():
     """DP over 8 devices, host and on-device loaders, k=1 and k=2: 20 steps equal
     one device within 1e-5; batches arrive sharded over the mesh; the compiled

@@ -14,7 +14,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import safetensors.numpy
+
+pytestmark = pytest.mark.slow  # subprocesses, notebooks, examples
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multihost_fit_worker.py"

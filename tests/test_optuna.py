@@ -156,6 +156,7 @@ def _load_example(name: str):
     return module
 
 
+@pytest.mark.slow
 def test_tune_digits_example_prunes_and_finds_a_good_model(tmp_path, capsys):
     storage = f"sqlite:///{tmp_path / 'tune.db'}"
     study = _load_example("tune_digits").main(n_trials=8, epochs=3, storage=storage)

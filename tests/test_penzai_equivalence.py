@@ -145,7 +145,7 @@ def _v1_param_arrays(params: dict) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("key_kind", ["typed", "legacy"])
-@pytest.mark.parametrize("steps_per_call", [1, 5])
+@pytest.mark.parametrize("steps_per_call", [1, pytest.param(5, marks=pytest.mark.slow)])
 def test_penzai_v1_basic_training_same_losses_keys_and_params(key_kind, steps_per_call):
     root_rng = jax.random.key(42) if key_kind == "typed" else jax.random.PRNGKey(42)
     batches = _batches()
@@ -227,7 +227,7 @@ def _v2_state_values(model) -> dict[str, np.ndarray]:
     return {str(v.label): np.asarray(v.value) for v in state_vars}
 
 
-@pytest.mark.parametrize("steps_per_call", [1, 4])
+@pytest.mark.parametrize("steps_per_call", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_penzai_v2_stateful_trainer_same_losses_keys_and_params(steps_per_call):
     root_rng = jax.random.key(7)
     batches = _batches()
@@ -331,7 +331,7 @@ def _stateful_model(seed: int = 0):
     )
 
 
-@pytest.mark.parametrize("steps_per_call", [1, 5])
+@pytest.mark.parametrize("steps_per_call", [1, pytest.param(5, marks=pytest.mark.slow)])
 def test_penzai_v2_state_variables_persist_across_steps(steps_per_call):
     root_rng = jax.random.key(11)
     batches = _batches()

@@ -27,6 +27,8 @@ from pztrain.checkpoint import (
 )
 from pztrain.state import TrainState
 
+pytestmark = pytest.mark.slow  # subprocesses, notebooks, examples
+
 HERE = Path(__file__).resolve().parent
 
 

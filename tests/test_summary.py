@@ -326,6 +326,7 @@ print(json.dumps({"rows": {r.name: r.sharding for r in summary.rows},
 """
 
 
+@pytest.mark.slow
 def test_a_state_on_eight_devices_shows_its_shardings():
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"

@@ -253,6 +253,7 @@ def test_error_build_arguments():
         pztrain.build_train_step("loss")
 
 
+@pytest.mark.slow
 def test_shardings_are_passed_to_jit():
     """Params sharded over 4 CPU devices stay sharded through the step."""
     code = textwrap.dedent(

@@ -8,10 +8,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from penzai import pz
-from penzai.core import struct as pz_struct
 
 from pztrain import partition
 from pztrain._optax import (
@@ -20,125 +18,14 @@ from pztrain._optax import (
     optimizer_update,
     set_hyperparams,
 )
-from pztrain._tree import describe
 from pztrain.state import _flax
 from pztrain.state._donation import DonatedStateError, check_alive
+from pztrain.state._parts import check_grads, check_key, owned_copy
+from pztrain.state._struct import field_names, register, replaced
 from pztrain.state._treescope import readable_treescope
 from pztrain.summary import Summary, summarize
 
 __all__ = ["TrainState", "DonatedStateError"]
-
-
-# Field names of each TrainState class, and whether it has a __post_init__.
-_FIELDS: dict[type, tuple[frozenset[str], bool]] = {}
-
-
-def _register(cls: type) -> None:
-    """Makes ``cls`` a frozen dataclass and a pytree with JAX's C++ flattening.
-
-    ``pz.pytree_dataclass`` flattens in Python (tens of µs per call on the hot
-    path); ``jax.tree_util.register_dataclass`` flattens in C++. The penzai marker
-    attribute lets ``pz.Struct``'s metaclass, treescope and ``.select()`` treat the
-    class as a normal penzai struct.
-    """
-    dataclasses.dataclass(frozen=True, repr=False)(cls)
-    fields = dataclasses.fields(cls)
-    _FIELDS[cls] = (frozenset(f.name for f in fields), hasattr(cls, "__post_init__"))
-    jax.tree_util.register_dataclass(
-        cls,
-        data_fields=[f.name for f in fields if pz_struct.is_pytree_node_field(f)],
-        meta_fields=[f.name for f in fields if not pz_struct.is_pytree_node_field(f)],
-    )
-    setattr(
-        cls,
-        pz_struct.PYTREE_DATACLASS_INFO_ATTR,
-        {
-            "has_implicitly_inherited_fields": True,
-            "use_mutable_proxy_in_init": False,
-            "is_init_proxy": False,
-            "generated_init": cls.__init__,
-        },
-    )
-
-
-def _is_key(x: Any) -> bool:
-    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return x.shape == ()
-    return (
-        isinstance(x, jax.Array | np.ndarray)
-        and x.shape == (2,)
-        and x.dtype == np.uint32
-    )
-
-
-def _check_key(root_rng: Any) -> Any:
-    if not _is_key(root_rng):
-        raise TypeError(
-            "root_rng must be a single PRNG key, jax.random.key(seed) or the legacy "
-            f"jax.random.PRNGKey(seed); got {describe(root_rng)}."
-        )
-    return root_rng
-
-
-def _owned_copy(tree: Any, avoid: set[int], always: bool = False) -> Any:
-    """Copies the arrays of ``tree`` (all, or those in ``avoid`` by id).
-
-    The state owns its buffers, so that donating them in a train step cannot
-    delete the arrays of the model the user passed in, and no buffer is donated
-    twice (optax states such as ``lookahead`` alias the params).
-    """
-
-    def own(x):
-        if isinstance(x, np.ndarray | np.generic):
-            return jnp.asarray(x)
-        if isinstance(x, jax.Array):
-            if always or id(x) in avoid:
-                x = jnp.copy(x)
-            avoid.add(id(x))
-        return x
-
-    return jax.tree.map(own, tree)
-
-
-def _check_grads(grads: Any, params: Any) -> None:
-    g_def, p_def = jax.tree.structure(grads), jax.tree.structure(params)
-    if g_def == p_def:
-        return
-    if isinstance(grads, dict) and isinstance(params, dict):
-        missing = sorted(set(params) - set(grads))
-        extra = sorted(set(grads) - set(params))
-        raise ValueError(
-            "grads must have the structure of state.params: missing names "
-            f"{missing}, unexpected names {extra}."
-        )
-    raise ValueError(
-        f"grads must have the structure of state.params; got {g_def}, expected {p_def}."
-    )
-
-
-def after_step(
-    state: TrainState, step: Any, params: Any, opt_state: Any, loss_fn_state: Any
-) -> TrainState:
-    """``state`` with the four fields a train step changes replaced.
-
-    The same as ``state.replace(step=..., params=..., opt_state=...,
-    loss_fn_state=...)``, for the per-call path of a train step: it fills the new
-    state's fields directly (keyword arguments and their checks cost about a
-    microsecond per call on CPU).
-    """
-    cls = type(state)
-    if _FIELDS[cls][1]:  # a subclass with __post_init__: run it
-        return state.replace(
-            step=step, params=params, opt_state=opt_state, loss_fn_state=loss_fn_state
-        )
-    new = object.__new__(cls)
-    fields = new.__dict__
-    fields.update(state.__dict__)
-    fields["step"] = step
-    fields["params"] = params
-    fields["opt_state"] = opt_state
-    fields["loss_fn_state"] = loss_fn_state
-    return new
 
 
 class TrainState(pz.Struct):
@@ -191,7 +78,7 @@ class TrainState(pz.Struct):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _register(cls)
+        register(cls)
 
     # ------------------------------------------------------------------ build
 
@@ -231,7 +118,7 @@ class TrainState(pz.Struct):
           pztrain.partition.PartitionError: if the model cannot be split.
         """
         check_optimizer(optimizer_def)
-        _check_key(root_rng)
+        check_key(root_rng)
         params, rest = partition.split(model, trainable)
         return cls._from_parts(
             params, rest, optimizer_def, root_rng, loss_fn_state, extra_fields
@@ -275,7 +162,7 @@ class TrainState(pz.Struct):
           Array(2., dtype=float32, weak_type=True)
         """
         check_optimizer(tx)
-        root_rng = jax.random.key(0) if root_rng is None else _check_key(root_rng)
+        root_rng = jax.random.key(0) if root_rng is None else check_key(root_rng)
         rest = partition.ApplyFnModel(apply_fn, None)
         return cls._from_parts(params, rest, tx, root_rng, loss_fn_state, extra_fields)
 
@@ -283,9 +170,9 @@ class TrainState(pz.Struct):
     def _from_parts(cls, params, rest, optimizer_def, root_rng, lfs, extra):
         owned: set[int] = set()
         _flax.adopt(cls, params)  # refuses fp8 collections; flax serialization
-        params = _owned_copy(params, owned, always=True)
-        opt_state = _owned_copy(optimizer_def.init(params), owned)
-        lfs = _owned_copy(lfs, owned, always=True)
+        params = owned_copy(params, owned, always=True)
+        opt_state = owned_copy(optimizer_def.init(params), owned)
+        lfs = owned_copy(lfs, owned, always=True)
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - fields)
         if unknown:
@@ -387,21 +274,14 @@ class TrainState(pz.Struct):
         Raises:
           TypeError: naming an unknown field.
         """
-        names, checks = _FIELDS[cls := type(self)]
+        names = field_names(cls := type(self))
         fields = _flax.flax_fields(self.model_without_params, fields)
         if not names.issuperset(fields):
             raise TypeError(
                 f"{cls.__name__} has no field(s) {sorted(set(fields) - names)}; its "
                 f"fields are {sorted(names)}."
             )
-        if checks:  # a subclass with __post_init__: run it
-            return dataclasses.replace(self, **fields)
-        # A train step replaces fields on every call: fill the new state's
-        # __dict__ directly (a frozen dataclass's __init__ costs ~1 µs).
-        new = object.__new__(cls)
-        new.__dict__.update(self.__dict__)
-        new.__dict__.update(fields)
-        return new
+        return replaced(self, fields)
 
     def apply_gradients(self, grads: Any, **replacements: Any) -> TrainState:
         """Applies one optimizer update and increments `step`.
@@ -420,7 +300,7 @@ class TrainState(pz.Struct):
           ValueError: if ``grads`` does not match `params`, naming the missing
             and unexpected names.
         """
-        _check_grads(grads, self.params)
+        check_grads(grads, self.params)
         params, opt_state = optimizer_update(
             self.optimizer_def, grads, self.opt_state, self.params
         )
@@ -433,4 +313,4 @@ class TrainState(pz.Struct):
         check_alive((self.step, self.params), where, "the params of this TrainState")
 
 
-_register(TrainState)
+register(TrainState)

@@ -3,6 +3,7 @@
 `build_train_step` returns a `TrainStep`, callable as ``(state, **batch) -> (state,
 aux)``; `build_eval_step` an `EvalStep`.
 
+* `pztrain.step._build`: `build_train_step` and the `LossFunction` contract;
 * `pztrain.step._train`: `TrainStep` (the host side: one hot path per call);
 * `pztrain.step._eval`: `EvalStep`;
 * `pztrain.step._fns`: the pure functions that are jitted, on a ``Carry`` and
@@ -11,9 +12,10 @@ aux)``; `build_eval_step` an `EvalStep`.
 * `pztrain.step._microbatches`: gradient accumulation inside the step.
 """
 
+from pztrain.step._build import LossFunction, build_train_step
 from pztrain.step._eval import EvalFunction, EvalStep, build_eval_step
 from pztrain.step._fns import OnDeviceBatches, StepOutputs
-from pztrain.step._train import LossFunction, TrainStep, build_train_step
+from pztrain.step._train import TrainStep
 
 __all__ = [
     "EvalFunction",

@@ -27,6 +27,7 @@ from pztrain.step._microbatches import accumulate, first_microbatch
 
 __all__ = [
     "Carry",
+    "LossFunction",
     "Inputs",
     "OnDeviceBatches",
     "Static",
@@ -37,6 +38,27 @@ __all__ = [
     "key_data",
     "train_fn",
 ]
+
+
+class LossFunction(Protocol):
+    """The loss-function contract, penzai's unchanged."""
+
+    def __call__(
+        self, *, model: Any, state: Any, rng: jax.Array, **batch: Any
+    ) -> tuple[jax.Array, Any, Any]:
+        """Computes the loss of ``model`` on one batch.
+
+        Args:
+          model: The model with its current params merged in.
+          state: ``TrainState.loss_fn_state`` (``None`` if unused).
+          rng: This step's key, ``jax.random.fold_in(root_rng, step)``.
+          **batch: The batch arrays, as keyword arguments.
+
+        Returns:
+          ``(loss, new_state, aux)``: a float scalar, a new state with the
+          structure of ``state``, and any pytree (usually a dict of scalar
+          metrics).
+        """
 
 
 class OnDeviceBatches(Protocol):

@@ -12,7 +12,7 @@ closed over, so a penzai model's Python-level flattening is not paid per call.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
@@ -21,10 +21,11 @@ from jax.sharding import Mesh
 from pztrain.data._placement import put_batch
 from pztrain.metrics import MetricSums, metric_names
 from pztrain.sharding import data_sharding
+from pztrain.state import TrainState
 from pztrain.state._donation import raise_if_donated
-from pztrain.state._state import TrainState, after_step
+from pztrain.state._struct import after_step
 from pztrain.step import _fns
-from pztrain.step._fns import Carry, Inputs, Static, StepOutputs
+from pztrain.step._fns import Carry, Inputs, LossFunction, Static, StepOutputs
 from pztrain.step._programs import (
     Found,
     KeepShardings,
@@ -33,28 +34,7 @@ from pztrain.step._programs import (
     args_of,
 )
 
-__all__ = ["LossFunction", "TrainStep", "build_train_step"]
-
-
-class LossFunction(Protocol):
-    """The loss-function contract, penzai's unchanged."""
-
-    def __call__(
-        self, *, model: Any, state: Any, rng: jax.Array, **batch: Any
-    ) -> tuple[jax.Array, Any, Any]:
-        """Computes the loss of ``model`` on one batch.
-
-        Args:
-          model: The model with its current params merged in.
-          state: ``TrainState.loss_fn_state`` (``None`` if unused).
-          rng: This step's key, ``jax.random.fold_in(root_rng, step)``.
-          **batch: The batch arrays, as keyword arguments.
-
-        Returns:
-          ``(loss, new_state, aux)``: a float scalar, a new state with the
-          structure of ``state``, and any pytree (usually a dict of scalar
-          metrics).
-        """
+__all__ = ["TrainStep"]
 
 
 class TrainStep:
@@ -340,86 +320,3 @@ def _two_batches(batch: Any, arrays: dict[str, Any]) -> None:
 def _shapes_key(tree: Any) -> tuple[Any, ...]:
     leaves, treedef = jax.tree.flatten(tree)
     return treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
-
-
-def build_train_step(
-    loss_fn: LossFunction,
-    *,
-    jit: bool = True,
-    donate: bool | None = None,
-    steps_per_call: int = 1,
-    state_shardings: Any = None,
-    batch_shardings: Any = None,
-    mesh: Mesh | None = None,
-    data_axis: str | tuple[str, ...] = "data",
-    microbatches: int = 1,
-) -> TrainStep:
-    """Builds a train step for ``loss_fn`` (penzai's loss-function contract).
-
-    Donation is on by default with ``jit=True`` (one copy of the state in memory;
-    reusing an old state raises `pztrain.DonatedStateError`).
-
-    Args:
-      loss_fn: ``(*, model, state, rng, **batch) -> (loss, new_state, aux)``.
-      jit: Whether to ``jax.jit`` the step (``False``: eagerly, to debug).
-      donate: Donate what the step updates (default: ``jit``).
-      steps_per_call: Steps fused in one call; batch leaves get a leading axis.
-      state_shardings: Optional shardings of the state's arrays (a
-        `TrainState` of shardings) for the jitted step's inputs and outputs.
-      batch_shardings: Optional shardings for the batch dict.
-      mesh: A device mesh: batch leaves split along ``data_axis``, the state's
-        shardings kept (`pztrain.sharded_initial_state`, `pztrain.shard_state`).
-      data_axis: The mesh axis (or axes) the examples of a batch are split over.
-      microbatches: Micro-batches per step (accumulated grads: see `TrainStep`).
-
-    Returns:
-      A `TrainStep`.
-
-    Raises:
-      ValueError: for counts < 1 or ``donate=True`` without jit.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, optax
-      >>> def loss_fn(*, model, state, rng, x, y):
-      ...     loss = jnp.mean((x * model["w"] - y) ** 2)
-      ...     return loss, state, {"loss": loss}
-      >>> state = TrainState.initial_state({"w": jnp.array(0.0)}, optax.sgd(0.1),
-      ...                                  jax.random.key(0))
-      >>> train_step = build_train_step(loss_fn)
-      >>> for _ in range(50):
-      ...     state, aux = train_step(state, x=jnp.ones(4), y=2 * jnp.ones(4))
-      >>> round(float(state.params["w"]), 3)
-      2.0
-    """
-    return TrainStep(
-        loss_fn,
-        jit=jit,
-        donate=_check_build(loss_fn, jit, donate, steps_per_call, microbatches),
-        steps_per_call=steps_per_call,
-        state_shardings=state_shardings,
-        batch_shardings=batch_shardings,
-        mesh=_checked_mesh(mesh),
-        data_axis=data_axis,
-        microbatches=microbatches,
-    )
-
-
-def _checked_mesh(mesh: Any) -> Mesh | None:
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"build_train_step(mesh=...) takes a jax.sharding.Mesh (e.g. "
-            f"jax.make_mesh((8,), ('data',))); got {type(mesh).__name__}."
-        )
-    return mesh
-
-
-def _check_build(loss_fn: Any, jit: bool, donate: bool | None, k: int, m: int) -> bool:
-    """Checks `build_train_step`'s arguments; returns whether to donate."""
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}.")
-    for name, value in (("steps_per_call", k), ("microbatches", m)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1; got {value!r}.")
-    if donate and not jit:
-        raise ValueError("donate=True needs jit=True (only jitted calls donate).")
-    return jit if donate is None else donate

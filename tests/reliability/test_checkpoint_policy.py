@@ -310,6 +310,7 @@ _DISK_FULL = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_save_that_fails_in_the_background_stops_the_run_and_cleans_up(tmp_path):
     """A full disk (a file-size limit): the error names the step, the run stops
     at the next host point, no temporaries are left, the process exits."""

@@ -25,6 +25,8 @@ import re
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocesses, notebooks, examples
+
 try:
     import kill_campaign
 except ImportError:  # tests/reliability is a package

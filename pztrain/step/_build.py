@@ -1,0 +1,96 @@
+"""`build_train_step`: a `TrainStep` from a loss function, its options checked."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.sharding import Mesh
+
+from pztrain.state import TrainState  # noqa: F401 - the docstring's example
+from pztrain.step._fns import LossFunction
+from pztrain.step._train import TrainStep
+
+__all__ = ["LossFunction", "build_train_step"]
+
+
+def build_train_step(
+    loss_fn: LossFunction,
+    *,
+    jit: bool = True,
+    donate: bool | None = None,
+    steps_per_call: int = 1,
+    state_shardings: Any = None,
+    batch_shardings: Any = None,
+    mesh: Mesh | None = None,
+    data_axis: str | tuple[str, ...] = "data",
+    microbatches: int = 1,
+) -> TrainStep:
+    """Builds a train step for ``loss_fn`` (penzai's loss-function contract).
+
+    Donation is on by default with ``jit=True`` (one copy of the state in memory;
+    reusing an old state raises `pztrain.DonatedStateError`).
+
+    Args:
+      loss_fn: ``(*, model, state, rng, **batch) -> (loss, new_state, aux)``.
+      jit: Whether to ``jax.jit`` the step (``False``: eagerly, to debug).
+      donate: Donate what the step updates (default: ``jit``).
+      steps_per_call: Steps fused in one call; batch leaves get a leading axis.
+      state_shardings: Optional shardings of the state's arrays (a
+        `TrainState` of shardings) for the jitted step's inputs and outputs.
+      batch_shardings: Optional shardings for the batch dict.
+      mesh: A device mesh: batch leaves split along ``data_axis``, the state's
+        shardings kept (`pztrain.sharded_initial_state`, `pztrain.shard_state`).
+      data_axis: The mesh axis (or axes) the examples of a batch are split over.
+      microbatches: Micro-batches per step (accumulated grads: see `TrainStep`).
+
+    Returns:
+      A `TrainStep`.
+
+    Raises:
+      ValueError: for counts < 1 or ``donate=True`` without jit.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> def loss_fn(*, model, state, rng, x, y):
+      ...     loss = jnp.mean((x * model["w"] - y) ** 2)
+      ...     return loss, state, {"loss": loss}
+      >>> state = TrainState.initial_state({"w": jnp.array(0.0)}, optax.sgd(0.1),
+      ...                                  jax.random.key(0))
+      >>> train_step = build_train_step(loss_fn)
+      >>> for _ in range(50):
+      ...     state, aux = train_step(state, x=jnp.ones(4), y=2 * jnp.ones(4))
+      >>> round(float(state.params["w"]), 3)
+      2.0
+    """
+    return TrainStep(
+        loss_fn,
+        jit=jit,
+        donate=_check_build(loss_fn, jit, donate, steps_per_call, microbatches),
+        steps_per_call=steps_per_call,
+        state_shardings=state_shardings,
+        batch_shardings=batch_shardings,
+        mesh=_checked_mesh(mesh),
+        data_axis=data_axis,
+        microbatches=microbatches,
+    )
+
+
+def _checked_mesh(mesh: Any) -> Mesh | None:
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"build_train_step(mesh=...) takes a jax.sharding.Mesh (e.g. "
+            f"jax.make_mesh((8,), ('data',))); got {type(mesh).__name__}."
+        )
+    return mesh
+
+
+def _check_build(loss_fn: Any, jit: bool, donate: bool | None, k: int, m: int) -> bool:
+    """Checks `build_train_step`'s arguments; returns whether to donate."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}.")
+    for name, value in (("steps_per_call", k), ("microbatches", m)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1; got {value!r}.")
+    if donate and not jit:
+        raise ValueError("donate=True needs jit=True (only jitted calls donate).")
+    return jit if donate is None else donate
