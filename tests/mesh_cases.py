@@ -221,7 +221,7 @@ def test_a_state_off_the_mesh_is_refused_by_name():
     state = jax.device_put(make_state(), jax.devices()[0])
     step = pztrain.build_train_step(loss_fn, mesh=mesh())
     x, y = batches(1)
-    with pytest.raises(ValueError, match=r"carry.*not on the step's mesh.*shard_state"):
+    with pytest.raises(ValueError, match=r"state.*not on the step's mesh.*shard_state"):
         step(state, x=x[0], y=y[0])
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "StepOutputs",
     "aux_fn",
     "eval_fn",
+    "flat",
     "grads_fn",
     "key_data",
     "train_fn",
@@ -200,6 +201,23 @@ def train_fn(
         return carry, rest if static.rest.stateful else None, aux
 
     return run
+
+
+def flat(run: StepFn) -> Callable[..., tuple[Any, ...]]:
+    """A train function on flat positional arguments, returning a flat tuple.
+
+    ``(step, params, opt_state, loss_fn_state, sums, root_rng, rest, batch) ->
+    (step, params, opt_state, loss_fn_state, sums, new_rest, aux)``: what a
+    jitted train step is called with (arguments 0 to 4 are donated). Tuples
+    cost less to build and to take apart per call than the named ones.
+    """
+
+    def flat_run(step, params, opt_state, loss_fn_state, sums, root_rng, rest, batch):
+        carry = Carry(step, params, opt_state, loss_fn_state, sums)
+        carry, new_rest, aux = run(carry, Inputs(root_rng, rest, batch))
+        return (*carry, new_rest, aux)
+
+    return flat_run
 
 
 def grads_fn(loss_fn, static: Static, microbatches: int = 1) -> StepFn:

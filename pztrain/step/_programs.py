@@ -41,7 +41,8 @@ class Programs:
         key = (static, optimizer_def)
         if key not in self._built:
             self._built[key] = self._build(static, optimizer_def)
-        found = Found(self._built[key], static, arrays, data)
+        program = self._built[key]
+        found = Found(program, static, arrays, data, getattr(program, "step", None))
         self.last = (rest, optimizer_def, root_rng, found)
         return found
 
@@ -53,20 +54,22 @@ class Programs:
 
 
 class Found(NamedTuple):
-    """What a call needs besides the state: the program, its static structure,
-    the rest's arrays and the key's raw data."""
+    """What a call needs besides the state: the programs, their static
+    structure, the rest's arrays and the key's raw data (and, for a train step,
+    its step program, at hand for the hot path)."""
 
     program: Any
     static: Static
     rest: list[Any]
     key_data: jax.Array
+    step: Any = None
 
 
 class TrainPrograms:
     """The programs of a train step for one model structure and optimizer."""
 
     def __init__(self, step: Any, grads: Callable[[], Any], aux: Any):
-        self.step = step  # (Carry, Inputs) -> (Carry, new rest arrays, aux)
+        self.step = step  # flat arguments -> flat outputs: see _fns.flat
         self._make_grads = grads
         self._grads = None
         self.aux = aux  # forward-only aux, for metric names
@@ -91,32 +94,37 @@ def args_of(state: TrainState, found: Found, batch: Any, opt_state: bool = True)
     return carry, Inputs(found.key_data, found.rest, batch)
 
 
+def flat_args(state: TrainState, found: Found, batch: Any) -> tuple[Any, ...]:
+    """The flat arguments of a train step's program (see `pztrain.step._fns.flat`)."""
+    carry, inputs = args_of(state, found, batch)
+    return (*carry, *inputs)
+
+
 class KeepShardings:
     """A train step on a mesh whose state keeps the shardings it came with.
 
-    Compiled at the first call, with the ``Carry``'s shardings of that call as
-    its output shardings (an uncommitted array, such as fresh metric sums, is
-    replicated): params, optimizer state and counters stay where they are, step
-    after step, and donation reuses their buffers. The per-call cost is one
-    ``is None`` check.
+    Compiled at the first call, with the shardings of that call's step, params,
+    optimizer and loss-function states as its output shardings (an uncommitted
+    array is replicated): they stay where they are, step after step, and
+    donation reuses their buffers. The per-call cost is one ``is None`` check.
     """
 
     def __init__(self, fn: Callable[..., Any], mesh: Any, options: dict[str, Any]):
         self._fn, self._mesh, self._options = fn, mesh, options
         self._jitted: Any = None
 
-    def __call__(self, carry: Carry, inputs: Inputs) -> Any:
+    def __call__(self, *args: Any) -> Any:
         jitted = self._jitted
         if jitted is None:
-            jitted = self._jitted = self._compile(carry)
-        return jitted(carry, inputs)
+            jitted = self._jitted = self._compile(args)
+        return jitted(*args)
 
-    def lower(self, carry: Carry, inputs: Inputs) -> jax.stages.Lowered:
+    def lower(self, *args: Any) -> jax.stages.Lowered:
         if self._jitted is None:
-            self._jitted = self._compile(carry)
-        return self._jitted.lower(carry, inputs)
+            self._jitted = self._compile(args)
+        return self._jitted.lower(*args)
 
-    def _compile(self, carry: Carry) -> Any:
+    def _compile(self, args: tuple[Any, ...]) -> Any:
         mesh = self._mesh
         devices = set(mesh.devices.flat)
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -127,16 +135,19 @@ class KeepShardings:
             if x.sharding.device_set != devices:
                 where = jax.tree_util.keystr(tuple(path))
                 raise ValueError(
-                    f"carry{where} of the state is on {sorted(map(str, x.devices()))}"
-                    f", not on the step's mesh of {len(devices)} devices. Put the "
-                    "state on the mesh first: pztrain.shard_state(state, mesh, "
-                    "rules) or pztrain.sharded_initial_state(make_state, mesh, "
-                    "rules)."
+                    f"state{where} is on {sorted(map(str, x.devices()))}, not on "
+                    f"the step's mesh of {len(devices)} devices. Put the state on "
+                    "the mesh first: pztrain.shard_state(state, mesh, rules) or "
+                    "pztrain.sharded_initial_state(make_state, mesh, rules)."
                 )
             return x.sharding
 
-        shardings = jax.tree_util.tree_map_with_path(sharding_of, carry)
+        names = ("step", "params", "opt_state", "loss_fn_state")
+        fields = jax.tree_util.tree_map_with_path(
+            sharding_of, dict(zip(names, args[:4], strict=True))
+        )
+        kept = tuple(fields[name] for name in names)
         # The metric sums (replicated scalars) come and go between calls (fit's
         # accumulate, then a plain call): ``None`` lets jit place them.
-        shardings = shardings._replace(sums=None)
-        return jax.jit(self._fn, out_shardings=(shardings, None, None), **self._options)
+        out = (*kept, None, None, None)
+        return jax.jit(self._fn, out_shardings=out, **self._options)

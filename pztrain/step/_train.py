@@ -25,13 +25,14 @@ from pztrain.state import TrainState
 from pztrain.state._donation import raise_if_donated
 from pztrain.state._struct import after_step
 from pztrain.step import _fns
-from pztrain.step._fns import Carry, Inputs, LossFunction, Static, StepOutputs
+from pztrain.step._fns import LossFunction, Static, StepOutputs
 from pztrain.step._programs import (
     Found,
     KeepShardings,
     Programs,
     TrainPrograms,
     args_of,
+    flat_args,
 )
 
 __all__ = ["TrainStep"]
@@ -88,7 +89,7 @@ class TrainStep:
 
     def _build(self, static: Static, optimizer_def: Any) -> TrainPrograms:
         k, m, loss_fn = self.steps_per_call, self.microbatches, self.loss_fn
-        step = _fns.train_fn(loss_fn, static, optimizer_def, k, m)
+        step = _fns.flat(_fns.train_fn(loss_fn, static, optimizer_def, k, m))
         grads = _fns.grads_fn(loss_fn, static, m)
         aux = _fns.aux_fn(loss_fn, static, m)
         if not self.jit:
@@ -100,22 +101,20 @@ class TrainStep:
         return TrainPrograms(jitted, lambda: jax.jit(grads), aux)
 
     def _jit_options(self) -> dict[str, Any]:
+        """Donation of the first five flat arguments (step, params, optimizer
+        and loss-function states, sums), and the shardings given at build."""
         options: dict[str, Any] = {}
         if self.donate:
-            options["donate_argnames"] = "carry"
+            options["donate_argnums"] = (0, 1, 2, 3, 4)
         if self._state_shardings is None and self._batch_shardings is None:
             return options
         sh = self._state_shardings
-        carry = Carry(
-            step=None,
-            params=getattr(sh, "params", None),
-            opt_state=getattr(sh, "opt_state", None),
-            loss_fn_state=getattr(sh, "loss_fn_state", None),
-            sums=None,
+        state = tuple(
+            getattr(sh, name, None) for name in ("params", "opt_state", "loss_fn_state")
         )
-        inputs = Inputs(root_rng=None, rest=None, batch=self._batch_shardings)
-        options["in_shardings"] = (carry, inputs)
-        options["out_shardings"] = (carry, None, None)
+        batch = self._batch_shardings
+        options["in_shardings"] = (None, *state, None, None, None, batch)
+        options["out_shardings"] = (None, *state, None, None, None)
         return options
 
     def __call__(
@@ -180,53 +179,53 @@ class TrainStep:
     def _run(self, state: TrainState, sums: Any, batch: Any, calls: int):
         """``calls`` calls of the jitted step: ``(new_state, sums, aux)``.
 
-        The one hot path of every call, `accumulate` and `pztrain.fit`.
+        The one hot path of every call, `accumulate` and `pztrain.fit`. On a
+        small model a step is dispatch bound, and every Python operation here
+        costs about as much as several in a micro-benchmark (the device's
+        threads share the cores): the fields are read from the state's
+        ``__dict__``, the program takes and returns flat positional tuples
+        (`pztrain.step._fns.flat`), and the new state is filled directly.
         """
-        rest, optimizer_def, root_rng = (
-            state.model_without_params,
-            state.optimizer_def,
-            state.root_rng,
-        )
+        fields = state.__dict__
+        rest = fields["model_without_params"]
+        optimizer_def, root_rng = fields["optimizer_def"], fields["root_rng"]
         last = self._programs.last  # the lookup, inline: the common case
         if last[0] is rest and last[1] is optimizer_def and last[2] is root_rng:
             found = last[3]
         else:
             found = self._programs.lookup(rest, optimizer_def, root_rng)
-        # tuple.__new__ builds the named tuples without their Python-level
-        # __new__ (about a microsecond less per call on CPU).
-        carry = _make(
-            Carry,
-            (state.step, state.params, state.opt_state, state.loss_fn_state, sums),
-        )
         if self.batch_sharding is not None and isinstance(batch, Mapping):
             batch = _on_mesh(batch, self.batch_sharding)
-        inputs = _make(Inputs, (found.key_data, found.rest, batch))
-        step = found.program.step
+        step = found.step
         try:
-            carry, new_rest, aux = step(carry, inputs)
+            out = step(
+                fields["step"],
+                fields["params"],
+                fields["opt_state"],
+                fields["loss_fn_state"],
+                sums,
+                found.key_data,
+                found.rest,
+                batch,
+            )
         except (RuntimeError, ValueError) as err:
             raise_if_donated(state, err, "train_step(state, ...)")
             raise
         if calls > 1:
-            carry, new_rest, aux = self._more_calls(
-                step, carry, inputs, new_rest, calls
-            )
-        new = after_step(
-            state, carry.step, carry.params, carry.opt_state, carry.loss_fn_state
-        )
-        if new_rest is not None:
-            rest = self._programs.rebuild(found, new_rest, optimizer_def, root_rng)
+            out = self._more_calls(step, out, found, batch, calls)
+        new = after_step(state, out)
+        if out[5] is not None:  # the model's state variables changed
+            rest = self._programs.rebuild(found, out[5], optimizer_def, root_rng)
             new = new.replace(model_without_params=rest)
-        return new, carry.sums, aux
+        return new, out[4], out[6]
 
     @staticmethod
-    def _more_calls(step, carry, inputs, new_rest, calls):
+    def _more_calls(step, out, found, batch, calls):
         """Calls 2 to ``calls`` of `_run`: the arrays go from one to the next."""
         for _ in range(calls - 1):
-            if new_rest is not None:
-                inputs = Inputs(inputs.root_rng, new_rest, inputs.batch)
-            carry, new_rest, aux = step(carry, inputs)
-        return carry, new_rest, aux
+            rest = found.rest if out[5] is None else out[5]
+            out = step(*out[:5], found.key_data, rest, batch)
+        return out
 
     def metric_sums(
         self, state: TrainState, batch: Any = None, /, **arrays: Any
@@ -276,7 +275,7 @@ class TrainStep:
         batch = _one_batch(batch, arrays)
         if self.batch_sharding is not None and isinstance(batch, Mapping):
             batch = _on_mesh(batch, self.batch_sharding)
-        return found.program.step.lower(*args_of(state, found, batch))
+        return found.program.step.lower(*flat_args(state, found, batch))
 
     def _lookup(self, state: TrainState) -> Found:
         return self._programs.lookup(
