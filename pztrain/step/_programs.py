@@ -42,7 +42,7 @@ class Programs:
         if key not in self._built:
             self._built[key] = self._build(static, optimizer_def)
         program = self._built[key]
-        found = Found(program, static, arrays, data, getattr(program, "step", None))
+        found = Found(getattr(program, "step", None), static, arrays, data, program)
         self.last = (rest, optimizer_def, root_rng, found)
         return found
 
@@ -54,15 +54,15 @@ class Programs:
 
 
 class Found(NamedTuple):
-    """What a call needs besides the state: the programs, their static
-    structure, the rest's arrays and the key's raw data (and, for a train step,
-    its step program, at hand for the hot path)."""
+    """What a call needs besides the state: the step program (a train step's,
+    first: the hot path unpacks the tuple), the rest's arrays, the key's raw
+    data, the programs and their static structure."""
 
-    program: Any
+    step: Any
     static: Static
     rest: list[Any]
     key_data: jax.Array
-    step: Any = None
+    program: Any
 
 
 class TrainPrograms:

@@ -196,7 +196,7 @@ class TrainStep:
             found = self._programs.lookup(rest, optimizer_def, root_rng)
         if self.batch_sharding is not None and isinstance(batch, Mapping):
             batch = _on_mesh(batch, self.batch_sharding)
-        step = found.step
+        step, _, rest_arrays, key_data, _ = found
         try:
             out = step(
                 fields["step"],
@@ -204,8 +204,8 @@ class TrainStep:
                 fields["opt_state"],
                 fields["loss_fn_state"],
                 sums,
-                found.key_data,
-                found.rest,
+                key_data,
+                rest_arrays,
                 batch,
             )
         except (RuntimeError, ValueError) as err:
