@@ -24,6 +24,7 @@ def build_train_step(
     mesh: Mesh | None = None,
     data_axis: str | tuple[str, ...] = "data",
     microbatches: int = 1,
+    explicit_loss: bool = False,
 ) -> TrainStep:
     """Builds a train step for ``loss_fn`` (penzai's loss-function contract).
 
@@ -42,6 +43,10 @@ def build_train_step(
         shardings kept (`pztrain.sharded_initial_state`, `pztrain.shard_state`).
       data_axis: The mesh axis (or axes) the examples of a batch are split over.
       microbatches: Micro-batches per step (accumulated grads: see `TrainStep`).
+      explicit_loss: On a mesh, run the loss function with every mesh axis
+        Explicit: it sees the params' compute layout in their types and decides
+        its activations' layouts itself (``jax.sharding.reshard``); by default
+        it runs in auto mode and needs not know the mesh.
 
     Returns:
       A `TrainStep`.
@@ -72,6 +77,7 @@ def build_train_step(
         mesh=_checked_mesh(mesh),
         data_axis=data_axis,
         microbatches=microbatches,
+        explicit_loss=explicit_loss,
     )
 
 

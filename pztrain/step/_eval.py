@@ -10,7 +10,8 @@ from pztrain.state import TrainState
 from pztrain.state._donation import raise_if_donated
 from pztrain.step import _fns
 from pztrain.step._fns import Static
-from pztrain.step._programs import Programs, args_of
+from pztrain.step._mesh import MeshLayout, mesh_of
+from pztrain.step._programs import OnMesh, Programs, args_of
 
 __all__ = ["EvalFunction", "EvalStep", "build_eval_step"]
 
@@ -39,14 +40,21 @@ class EvalStep:
         self.jit = jit
         self._programs = Programs(self._build)
 
-    def _build(self, static: Static, optimizer_def: Any) -> Any:
-        del optimizer_def  # evaluation does not depend on it
-        fn = _fns.eval_fn(self.eval_fn, static)
-        return jax.jit(fn) if self.jit else fn
+    def _build(self, static: Static, mesh: Any) -> Any:
+        """The program for a model structure, on ``mesh`` (``None``: no mesh):
+        in explicit mode with the eval function in auto mode, as a train step
+        (`pztrain.step._mesh`); evaluation needs no compute layout."""
+        if mesh is None:
+            fn = _fns.eval_fn(self.eval_fn, static)
+            return jax.jit(fn) if self.jit else fn
+        layout = MeshLayout(mesh, data_axes=())
+        fn = _fns.eval_fn(self.eval_fn, static, layout)
+        return OnMesh(fn, layout, {}, ("state", "inputs")) if self.jit else fn
 
     def __call__(self, state: TrainState, **batch: Any) -> Any:
         """Returns ``eval_fn``'s metrics for ``state`` on ``batch``."""
-        found = self._programs.lookup(state.model_without_params, None, state.root_rng)
+        mesh = mesh_of(state.params)  # the program's mesh: the state's
+        found = self._programs.lookup(state.model_without_params, mesh, state.root_rng)
         try:
             return found.program(*args_of(state, found, batch, opt_state=False))
         except (RuntimeError, ValueError) as err:

@@ -23,6 +23,7 @@ from pztrain._tree import describe, path_repr
 from pztrain.data._batch import check_batch
 from pztrain.metrics import MetricSums
 from pztrain.partition import RestSpec
+from pztrain.step._mesh import NO_MESH, Layout
 from pztrain.step._microbatches import accumulate, first_microbatch
 
 __all__ = [
@@ -162,7 +163,12 @@ StepFn = Callable[[Carry, Inputs], Any]
 
 
 def train_fn(
-    loss_fn, static: Static, optimizer_def, steps_per_call: int, microbatches: int = 1
+    loss_fn,
+    static: Static,
+    optimizer_def,
+    steps_per_call: int,
+    microbatches: int = 1,
+    layout: Layout = NO_MESH,
 ) -> StepFn:
     """``(carry, inputs) -> (carry, new_rest, aux)``: ``steps_per_call`` steps.
 
@@ -170,13 +176,15 @@ def train_fn(
     (else ``None``). ``aux`` is ``None`` when the carry holds metric sums (the
     metrics went into them); with ``steps_per_call=k`` its leaves are stacked
     along a leading axis ``k``. With ``microbatches=m > 1`` each step's loss,
-    grads and aux come from `pztrain._microbatches.accumulate`.
+    grads and aux come from `pztrain.step._microbatches.accumulate`. On a mesh
+    (``layout``, see `pztrain.step._mesh`) the loss sees the params in their
+    compute layout and the optimizer gets grads in their storage layout.
     """
 
     def one(carry: Carry, root_rng, rest, batch) -> tuple[Carry, Any, Any]:
         rng = jax.random.fold_in(root_rng, carry.step)  # the contract's key
         loss, lfs, aux, new_rest, grads = _grads(
-            loss_fn, static.rest, carry, rest, rng, batch, microbatches
+            loss_fn, static.rest, carry, rest, rng, batch, microbatches, layout
         )
         params, opt_state = optimizer_update(
             optimizer_def, grads, carry.opt_state, carry.params
@@ -220,7 +228,9 @@ def flat(run: StepFn) -> Callable[..., tuple[Any, ...]]:
     return flat_run
 
 
-def grads_fn(loss_fn, static: Static, microbatches: int = 1) -> StepFn:
+def grads_fn(
+    loss_fn, static: Static, microbatches: int = 1, layout: Layout = NO_MESH
+) -> StepFn:
     """``(carry, inputs) -> StepOutputs`` for one batch; nothing is updated.
 
     With ``microbatches=m > 1``: the means over ``m`` micro-batches, as a step.
@@ -230,14 +240,14 @@ def grads_fn(loss_fn, static: Static, microbatches: int = 1) -> StepFn:
         batch = _batch_of(inputs.batch, carry.step, 1)
         rng = jax.random.fold_in(static.root_rng(inputs.root_rng), carry.step)
         loss, lfs, aux, _, grads = _grads(
-            loss_fn, static.rest, carry, inputs.rest, rng, batch, microbatches
+            loss_fn, static.rest, carry, inputs.rest, rng, batch, microbatches, layout
         )
         return StepOutputs(loss, lfs, aux, grads)
 
     return run
 
 
-def eval_fn(fn, static: Static) -> StepFn:
+def eval_fn(fn, static: Static, layout: Layout = NO_MESH) -> StepFn:
     """``(carry, inputs) -> metrics``, with key ``fold_in(fold_in(root_rng, step), 1)``.
 
     State-variable updates are dropped: evaluating changes nothing.
@@ -247,13 +257,22 @@ def eval_fn(fn, static: Static) -> StepFn:
         batch = _batch_of(inputs.batch, carry.step, 1)
         rng = jax.random.fold_in(static.root_rng(inputs.root_rng), carry.step)
         rng = jax.random.fold_in(rng, 1)
-        model, _ = static.rest.bind(carry.params, inputs.rest)
-        return fn(model=model, state=carry.loss_fn_state, rng=rng, **batch)
+
+        def metrics(params, rest, lfs, rng, batch):
+            model, _ = static.rest.bind(params, rest)
+            return fn(model=model, state=lfs, rng=rng, **batch)
+
+        params = layout.compute(carry.params)
+        return layout.user(metrics)(
+            params, inputs.rest, carry.loss_fn_state, rng, batch
+        )
 
     return run
 
 
-def aux_fn(loss_fn, static: Static, microbatches: int = 1) -> StepFn:
+def aux_fn(
+    loss_fn, static: Static, microbatches: int = 1, layout: Layout = NO_MESH
+) -> StepFn:
     """``(carry, inputs) -> aux`` of the loss alone: forward only, no gradient.
 
     For `jax.eval_shape`: the metric names of a step, without tracing its
@@ -265,9 +284,14 @@ def aux_fn(loss_fn, static: Static, microbatches: int = 1) -> StepFn:
         if microbatches > 1:
             batch = first_microbatch(batch, microbatches)
         rng = jax.random.fold_in(static.root_rng(inputs.root_rng), carry.step)
-        model, _ = static.rest.bind(carry.params, inputs.rest)
-        out = loss_fn(model=model, state=carry.loss_fn_state, rng=rng, **batch)
-        return _check_loss_output(out, carry.loss_fn_state)[2]
+
+        def aux_of(params, rest, lfs, rng, batch):
+            model, _ = static.rest.bind(params, rest)
+            out = loss_fn(model=model, state=lfs, rng=rng, **batch)
+            return _check_loss_output(out, lfs)[2]
+
+        params = layout.compute(carry.params)
+        return layout.user(aux_of)(params, inputs.rest, carry.loss_fn_state, rng, batch)
 
     return run
 
@@ -280,25 +304,46 @@ def _batch_of(batch: Any, step: jax.Array, count: int) -> dict[str, Any]:
     return batch
 
 
-def _grads(loss_fn, spec: RestSpec, carry: Carry, rest, rng, batch, m: int):
-    """``(loss, new_loss_fn_state, aux, new_rest, grads)`` of one step."""
-    one = functools.partial(_loss_and_grads, loss_fn, spec, carry.params)
+def _grads(loss_fn, spec: RestSpec, carry: Carry, rest, rng, batch, m, layout):
+    """``(loss, new_loss_fn_state, aux, new_rest, grads)`` of one step, the
+    grads in the params' (storage) layout. Micro-batches run per device on a
+    mesh (`pztrain.step._mesh.MeshLayout.per_device`)."""
+    params = layout.compute(carry.params)
     if m == 1:
-        return one(carry.loss_fn_state, rest, rng, batch)
-    return accumulate(one, carry.loss_fn_state, rest, rng, batch, m)
+        out = _loss_and_grads(
+            loss_fn, spec, params, layout, carry.loss_fn_state, rest, rng, batch
+        )
+    else:
+
+        def micro(layout, params, lfs, rest, rng, batch):
+            one = functools.partial(_loss_and_grads, loss_fn, spec, params, layout)
+            return accumulate(one, lfs, rest, rng, batch, m, _zeros)
+
+        run = layout.per_device(micro)
+        out = run(params, carry.loss_fn_state, rest, rng, batch)
+    return (*out[:4], layout.store(out[4], carry.params))
 
 
-def _loss_and_grads(loss_fn, spec: RestSpec, params, loss_fn_state, rest, rng, batch):
-    """``(loss, new_loss_fn_state, aux, new_rest, grads)`` on one (micro-)batch."""
+def _zeros(like: Any) -> jax.Array:
+    """Zeros to add a gradient to, in at least float32."""
+    return jnp.zeros(like.shape, jnp.promote_types(like.dtype, jnp.float32))
 
-    def loss_of(params):
+
+def _loss_and_grads(
+    loss_fn, spec: RestSpec, params, layout, loss_fn_state, rest, rng, batch
+):
+    """``(loss, new_loss_fn_state, aux, new_rest, grads)`` on one (micro-)batch,
+    the grads in the layout of ``params``."""
+
+    def loss_of(params, rest, loss_fn_state, rng, batch):
         model, new_rest = spec.bind(params, rest)
         out = loss_fn(model=model, state=loss_fn_state, rng=rng, **batch)
         loss, lfs, aux = _check_loss_output(out, loss_fn_state)
         return loss, (lfs, aux, new_rest())
 
-    (loss, (lfs, aux, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-        params
+    run = layout.user(loss_of)
+    (loss, (lfs, aux, new_rest)), grads = jax.value_and_grad(run, has_aux=True)(
+        params, rest, loss_fn_state, rng, batch
     )
     return loss, lfs, aux, new_rest, grads
 

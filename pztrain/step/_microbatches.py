@@ -72,20 +72,21 @@ def first_microbatch(batch: dict[str, Any], m: int) -> dict[str, Any]:
     return _merge(split, whole)
 
 
-def accumulate(grad_fn: GradFn, lfs, rest, rng, batch, m: int) -> tuple[Any, ...]:
+def accumulate(
+    grad_fn: GradFn, lfs, rest, rng, batch, m: int, zeros: Callable[[Any], Any]
+) -> tuple[Any, ...]:
     """``(loss, loss_fn_state, aux, new_rest, grads)`` over ``m`` micro-batches.
 
     Micro-batch ``i`` gets key ``fold_in(rng, i)``; ``new_rest`` is ``None`` when
     no micro-batch updated state variables. Loss and grads are means (grads are
-    summed in at least float32); aux leaves are combined by `combine_aux`.
+    summed in at least float32, starting from ``zeros(shape of a grad)``: on a
+    mesh, unreduced partial sums, reduced once after); aux leaves are combined
+    by `combine_aux`.
     """
     split, whole = split_batch(batch, m)
     shapes = jax.eval_shape(grad_fn, lfs, rest, rng, first_microbatch(batch, m))
     stateful = shapes[3] is not None
-    grads0 = jax.tree.map(
-        lambda g: jnp.zeros(g.shape, jnp.promote_types(g.dtype, jnp.float32)),
-        shapes[4],
-    )
+    grads0 = jax.tree.map(zeros, shapes[4])
 
     def body(acc, xs):
         lfs, rest, total = acc

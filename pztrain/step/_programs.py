@@ -7,12 +7,14 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+from jax.sharding import PartitionSpec
 
 from pztrain.partition import split_rest
 from pztrain.state import TrainState
 from pztrain.step._fns import Carry, Inputs, Static, key_data
+from pztrain.step._mesh import MeshLayout, spec_of
 
-__all__ = ["Found", "KeepShardings", "Programs", "TrainPrograms", "args_of"]
+__all__ = ["Found", "OnMesh", "Programs", "TrainPrograms", "args_of", "flat_args"]
 
 
 class Programs:
@@ -81,6 +83,12 @@ class TrainPrograms:
             self._grads = self._make_grads()
         return self._grads
 
+    def aux_shape(self, *args: Any) -> Any:
+        """The shapes of the loss function's aux for these arguments."""
+        if isinstance(self.aux, OnMesh):
+            return self.aux.eval_shape(*args)
+        return jax.eval_shape(self.aux, *args)
+
 
 def args_of(state: TrainState, found: Found, batch: Any, opt_state: bool = True):
     """The ``(Carry, Inputs)`` of ``state`` (optimizer state left out if not
@@ -100,17 +108,35 @@ def flat_args(state: TrainState, found: Found, batch: Any) -> tuple[Any, ...]:
     return (*carry, *inputs)
 
 
-class KeepShardings:
-    """A train step on a mesh whose state keeps the shardings it came with.
+class OnMesh:
+    """A program on a mesh, compiled at its first call for that call's layouts.
 
-    Compiled at the first call, with the shardings of that call's step, params,
-    optimizer and loss-function states as its output shardings (an uncommitted
-    array is replicated): they stay where they are, step after step, and
-    donation reuses their buffers. The per-call cost is one ``is None`` check.
+    The body runs in explicit mode (`pztrain.step._mesh.MeshLayout.entered`),
+    each argument in the layout it arrives in (an uncommitted array, such as
+    fresh metric sums, replicated). With ``keep=n`` the first ``n`` arguments'
+    shardings are also the first ``n`` outputs' (a train step's step, params,
+    optimizer and loss-function states): they stay where they are, step after
+    step, and donation reuses their buffers. The per-call cost is one ``is
+    None`` check.
+
+    Args:
+      fn: The program's function, on positional arguments.
+      layout: The step's `pztrain.step._mesh.MeshLayout`.
+      options: For ``jax.jit`` (donation).
+      names: The arguments' names, for errors.
+      keep: How many leading arguments keep their shardings as outputs.
     """
 
-    def __init__(self, fn: Callable[..., Any], mesh: Any, options: dict[str, Any]):
-        self._fn, self._mesh, self._options = fn, mesh, options
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        layout: MeshLayout,
+        options: dict[str, Any],
+        names: tuple[str, ...],
+        keep: int = 0,
+    ):
+        self._fn, self._layout, self._options = fn, layout, options
+        self._names, self._keep = names, keep
         self._jitted: Any = None
 
     def __call__(self, *args: Any) -> Any:
@@ -124,30 +150,52 @@ class KeepShardings:
             self._jitted = self._compile(args)
         return self._jitted.lower(*args)
 
+    def eval_shape(self, *args: Any) -> Any:
+        """``jax.eval_shape`` of the program for these arguments (nothing runs)."""
+        specs = tuple(map(_specs, args))
+        return jax.eval_shape(self._layout.entered(self._fn, specs), *args)
+
     def _compile(self, args: tuple[Any, ...]) -> Any:
-        mesh = self._mesh
-        devices = set(mesh.devices.flat)
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        named = dict(zip(self._names, args, strict=True))
+        jax.tree_util.tree_map_with_path(self._check_placed, named)
+        specs = tuple(map(_specs, args))
+        options = dict(self._options)
+        if self._keep:
+            kept = tuple(jax.tree.map(self._sharding_of, x) for x in args[: self._keep])
+            # The rest (metric sums, state variables, aux) come and go between
+            # calls (fit's accumulate, then a plain call): jit places them.
+            options["out_shardings"] = (*kept, None, None, None)
+        return jax.jit(self._layout.entered(self._fn, specs), **options)
 
-        def sharding_of(path: Any, x: Any) -> Any:
-            if not isinstance(x, jax.Array) or not x.committed:
-                return replicated
-            if x.sharding.device_set != devices:
-                where = jax.tree_util.keystr(tuple(path))
-                raise ValueError(
-                    f"state{where} is on {sorted(map(str, x.devices()))}, not on "
-                    f"the step's mesh of {len(devices)} devices. Put the state on "
-                    "the mesh first: pztrain.shard_state(state, mesh, rules) or "
-                    "pztrain.sharded_initial_state(make_state, mesh, rules)."
-                )
+    def _sharding_of(self, x: Any) -> Any:
+        if isinstance(x, jax.Array) and x.committed:
             return x.sharding
-
-        names = ("step", "params", "opt_state", "loss_fn_state")
-        fields = jax.tree_util.tree_map_with_path(
-            sharding_of, dict(zip(names, args[:4], strict=True))
+        return jax.sharding.NamedSharding(
+            self._layout.mesh, jax.sharding.PartitionSpec()
         )
-        kept = tuple(fields[name] for name in names)
-        # The metric sums (replicated scalars) come and go between calls (fit's
-        # accumulate, then a plain call): ``None`` lets jit place them.
-        out = (*kept, None, None, None)
-        return jax.jit(self._fn, out_shardings=out, **self._options)
+
+    def _check_placed(self, path: Any, x: Any) -> None:
+        """Refuses an array committed to other devices than the mesh's."""
+        devices = set(self._layout.mesh.devices.flat)
+        if (
+            isinstance(x, jax.Array)
+            and x.committed
+            and x.sharding.device_set != devices
+        ):
+            where = jax.tree_util.keystr(tuple(path))
+            raise ValueError(
+                f"state{where} is on {sorted(map(str, x.devices()))}, not on the "
+                f"step's mesh of {len(devices)} devices. Put the state on the mesh "
+                "first: pztrain.shard_state(state, mesh, rules) or "
+                "pztrain.sharded_initial_state(make_state, mesh, rules)."
+            )
+
+
+def _specs(arg: Any) -> Any:
+    """The specs of one argument's arrays, or one replicated spec for all of
+    them (which then also fits the argument given another structure, as the
+    metric sums are: ``None`` in a plain call)."""
+    specs = jax.tree.map(spec_of, arg)
+    if all(s == PartitionSpec() for s in jax.tree.leaves(specs)):
+        return PartitionSpec()
+    return specs

@@ -21,21 +21,35 @@ from jax.sharding import Mesh
 from pztrain.data._placement import put_batch
 from pztrain.metrics import MetricSums, metric_names
 from pztrain.sharding import data_sharding
+from pztrain.sharding._rules import mesh_axes
 from pztrain.state import TrainState
 from pztrain.state._donation import raise_if_donated
 from pztrain.state._struct import after_step
 from pztrain.step import _fns
 from pztrain.step._fns import LossFunction, Static, StepOutputs
+from pztrain.step._mesh import NO_MESH, MeshLayout
 from pztrain.step._programs import (
     Found,
-    KeepShardings,
+    OnMesh,
     Programs,
     TrainPrograms,
     args_of,
     flat_args,
 )
 
-__all__ = ["TrainStep"]
+__all__ = ["FLAT_NAMES", "TrainStep"]
+
+# The arguments of a train step's program (`pztrain.step._fns.flat`).
+FLAT_NAMES = (
+    "step",
+    "params",
+    "opt_state",
+    "loss_fn_state",
+    "sums",
+    "root_rng",
+    "rest",
+    "batch",
+)
 
 
 class TrainStep:
@@ -73,6 +87,7 @@ class TrainStep:
         mesh: Mesh | None = None,
         data_axis: str | tuple[str, ...] = "data",
         microbatches: int = 1,
+        explicit_loss: bool = False,
     ):
         self.loss_fn = loss_fn
         self.jit = jit
@@ -85,19 +100,33 @@ class TrainStep:
         )
         self._state_shardings = state_shardings
         self._batch_shardings = batch_shardings
+        self._layout = (
+            NO_MESH
+            if mesh is None
+            else MeshLayout(mesh, mesh_axes(data_axis), explicit_loss)
+        )
         self._programs = Programs(self._build)
 
     def _build(self, static: Static, optimizer_def: Any) -> TrainPrograms:
-        k, m, loss_fn = self.steps_per_call, self.microbatches, self.loss_fn
-        step = _fns.flat(_fns.train_fn(loss_fn, static, optimizer_def, k, m))
-        grads = _fns.grads_fn(loss_fn, static, m)
-        aux = _fns.aux_fn(loss_fn, static, m)
+        k, m, loss_fn, layout = (
+            self.steps_per_call,
+            self.microbatches,
+            self.loss_fn,
+            self._layout,
+        )
+        step = _fns.flat(_fns.train_fn(loss_fn, static, optimizer_def, k, m, layout))
+        grads = _fns.grads_fn(loss_fn, static, m, layout)
+        aux = _fns.aux_fn(loss_fn, static, m, layout)
         if not self.jit:
             return TrainPrograms(step, lambda: grads, aux)
-        if self.mesh is not None and self._state_shardings is None:
-            jitted = KeepShardings(step, self.mesh, self._jit_options())
-        else:
-            jitted = jax.jit(step, **self._jit_options())
+        if isinstance(layout, MeshLayout):
+            jitted = OnMesh(step, layout, self._jit_options(), FLAT_NAMES, keep=4)
+            return TrainPrograms(
+                jitted,
+                lambda: OnMesh(grads, layout, {}, ("state", "inputs")),
+                OnMesh(aux, layout, {}, ("state", "inputs")),
+            )
+        jitted = jax.jit(step, **self._jit_options())
         return TrainPrograms(jitted, lambda: jax.jit(grads), aux)
 
     def _jit_options(self) -> dict[str, Any]:
@@ -247,9 +276,7 @@ class TrainStep:
         names = found.program.metric_names
         key = _shapes_key((carry, inputs))
         if key not in names:
-            names[key] = tuple(
-                metric_names(jax.eval_shape(found.program.aux, carry, inputs))
-            )
+            names[key] = tuple(metric_names(found.program.aux_shape(carry, inputs)))
         return MetricSums.zeros(names[key])
 
     def compute_grads(self, state: TrainState, **batch: Any) -> StepOutputs:
