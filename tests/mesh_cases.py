@@ -32,8 +32,20 @@ def _eight_devices():
     assert jax.device_count() == 8, "run with --xla_force_host_platform_device_count=8"
 
 
-def mesh(shape=(8,), names=("data",)):
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+TYPES = {
+    "auto": AxisType.Auto,
+    "explicit": AxisType.Explicit,
+}
+
+
+def mesh(shape=(8,), names=("data",), types="auto"):
+    """A mesh whose axes are all Auto, all Explicit (``jax.make_mesh``'s
+    default), or ``"mixed"``: the first Explicit, the others Auto."""
+    if types == "mixed":
+        kinds = (AxisType.Explicit,) + (AxisType.Auto,) * (len(shape) - 1)
+    else:
+        kinds = (TYPES[types],) * len(shape)
+    return jax.make_mesh(shape, names, axis_types=kinds)
 
 
 def loss_fn(*, model, state, rng, x, y):
@@ -87,10 +99,11 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("types", ["auto", "explicit", "mixed"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_twenty_steps_equal_one_device_and_keep_shardings(layout):
+def test_twenty_steps_equal_one_device_and_keep_shardings(layout, types):
     shape, names, rules = LAYOUTS[layout]
-    m = mesh(shape, names)
+    m = mesh(shape, names, types)
     state = sharded_initial_state(make_state, m, rules)
     before = shardings_of(state)
     step = pztrain.build_train_step(loss_fn, mesh=m)

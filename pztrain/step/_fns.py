@@ -317,16 +317,11 @@ def _grads(loss_fn, spec: RestSpec, carry: Carry, rest, rng, batch, m, layout):
 
         def micro(layout, params, lfs, rest, rng, batch):
             one = functools.partial(_loss_and_grads, loss_fn, spec, params, layout)
-            return accumulate(one, lfs, rest, rng, batch, m, _zeros)
+            return accumulate(one, lfs, rest, rng, batch, m, layout.zeros)
 
         run = layout.per_device(micro)
         out = run(params, carry.loss_fn_state, rest, rng, batch)
     return (*out[:4], layout.store(out[4], carry.params))
-
-
-def _zeros(like: Any) -> jax.Array:
-    """Zeros to add a gradient to, in at least float32."""
-    return jnp.zeros(like.shape, jnp.promote_types(like.dtype, jnp.float32))
 
 
 def _loss_and_grads(

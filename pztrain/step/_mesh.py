@@ -77,6 +77,10 @@ class Layout:
         the batch and combined once (here: run once, with this layout)."""
         return functools.partial(fn, self)
 
+    def zeros(self, like: Any) -> Any:
+        """Zeros to add gradients like ``like`` to, in at least float32."""
+        return jnp.zeros(like.shape, jnp.promote_types(like.dtype, jnp.float32))
+
 
 NO_MESH = Layout()
 
@@ -128,6 +132,10 @@ class MeshLayout(Layout):
         axes = self.data_axes
 
         def local(params, lfs, rest, rng, batch):
+            # Varying params: each device's grads stay its own partial ones
+            # (an invariant param's would be summed at every micro-batch); the
+            # states threaded through the micro-batches vary by device too.
+            params, lfs, rest = jax.lax.pcast((params, lfs, rest), axes, to="varying")
             index = jax.lax.axis_index(axes)  # each device its own keys
             out = fn(inner, params, lfs, rest, jax.random.fold_in(rng, index), batch)
             return _across_devices(out, axes)
@@ -147,6 +155,12 @@ class MeshLayout(Layout):
             return mapped(params, lfs, rest, rng, batch)
 
         return run
+
+    def zeros(self, like: Any) -> Any:
+        zeros = super().zeros(like)
+        if self.manual:  # added to each device's own partial grads
+            return jax.lax.pcast(zeros, self.data_axes, to="varying")
+        return zeros
 
     def entered(
         self, fn: Callable[..., Any], specs: tuple[Any, ...]
