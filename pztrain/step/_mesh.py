@@ -45,7 +45,7 @@ def compute_spec(spec: PartitionSpec, data_axes: tuple[str, ...]) -> PartitionSp
     Example:
       >>> from jax.sharding import PartitionSpec as P
       >>> compute_spec(P("data", "model"), ("data",))
-      PartitionSpec(None, 'model')
+      P(None, 'model')
     """
     dims = []
     for entry in spec:
