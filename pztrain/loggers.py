@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from pztrain.records import jsonable, read_jsonl
+from pztrain.records import THROUGHPUT_KEYS, jsonable, read_jsonl
 
 __all__ = [
     "CSVLogger",
@@ -160,7 +160,7 @@ class TensorBoardLogger:
             tag = f"{record['split']}/{name}"
             self._tags[tag] = None
             self._writer.add_scalar(tag, value, global_step=step)
-        for key in ("steps_per_sec", "examples_per_sec"):
+        for key in THROUGHPUT_KEYS:
             if key in record:
                 self._writer.add_scalar(f"time/{key}", record[key], global_step=step)
 
@@ -195,19 +195,20 @@ def flat_hparams(hparams: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-_CSV_FIRST = ("step", "epoch", "split", "time", "steps_per_sec", "examples_per_sec")
+_CSV_FIRST = ("step", "epoch", "split", "time", *THROUGHPUT_KEYS)
 
 
 class CSVLogger:
     """Writes ``metrics.csv`` (one row per record) and ``hparams.csv``.
 
     Wide format, as spreadsheets and pandas expect: the columns are ``step``,
-    ``epoch``, ``split``, ``time``, ``steps_per_sec``, ``examples_per_sec``, then
-    each metric in the order it first appeared; a train and an eval metric of
-    one name share a column (``split`` tells the rows apart), and a cell a
-    record has no value for is empty. When a record brings a new metric, the
-    whole file is rewritten atomically with the wider header (a new file,
-    flushed, renamed over the old one); otherwise a row is appended.
+    ``epoch``, ``split``, ``time``, the throughput
+    (`pztrain.records.THROUGHPUT_KEYS`), then each metric in the order it first
+    appeared; a train and an eval metric of one name share a column (``split`` tells
+    the rows apart), and a cell a record has no value for is empty. When a record
+    brings a new metric, the whole file is rewritten atomically with the wider
+    header (a new file, flushed, renamed over the old one); otherwise a row is
+    appended.
 
     Args:
       run_dir: The directory (created if missing).
@@ -226,10 +227,11 @@ class CSVLogger:
       >>> log.log_record({"step": 1, "split": "train", "metrics": {"loss": 0.5}})
       >>> log.log_record({"step": 1, "split": "eval", "metrics": {"acc": 0.9}})
       >>> log.close()
-      >>> print(pathlib.Path(d, "metrics.csv").read_text().strip())
-      step,epoch,split,time,steps_per_sec,examples_per_sec,loss,acc
-      1,,train,,,,0.5,
-      1,,eval,,,,,0.9
+      >>> lines = pathlib.Path(d, "metrics.csv").read_text().splitlines()
+      >>> lines[0].split(",")[:5], lines[0].split(",")[-2:]
+      (['step', 'epoch', 'split', 'time', 'steps_per_sec'], ['loss', 'acc'])
+      >>> lines[1:]
+      ['1,,train,,,,,,,0.5,', '1,,eval,,,,,,,,0.9']
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, resume_step: int | None = None):
@@ -291,7 +293,8 @@ class MLflowLogger:
 
     One MLflow run per `pztrain.fit`: hyperparameters as params (flattened, see
     `flat_hparams`), metrics as ``<split>/<metric>`` at their step, the
-    throughput as ``time/steps_per_sec`` and ``time/examples_per_sec``. It
+    throughput as ``time/steps_per_sec``, ``time/examples_per_sec`` … (see
+    `pztrain.records.THROUGHPUT_KEYS`). It
     uses an ``MlflowClient`` of its own, not MLflow's global active run.
 
     Args:
@@ -336,7 +339,7 @@ class MLflowLogger:
         from mlflow.entities import Metric
 
         values = {f"{record['split']}/{k}": v for k, v in record["metrics"].items()}
-        for key in ("steps_per_sec", "examples_per_sec"):
+        for key in THROUGHPUT_KEYS:
             if key in record:
                 values[f"time/{key}"] = record[key]
         ms, step = int(time.time() * 1000), record["step"]
@@ -396,7 +399,7 @@ class WandbLogger:
 
     def log_record(self, record: dict[str, Any]) -> None:
         values = {f"{record['split']}/{k}": v for k, v in record["metrics"].items()}
-        for key in ("steps_per_sec", "examples_per_sec"):
+        for key in THROUGHPUT_KEYS:
             if key in record:
                 values[f"time/{key}"] = record[key]
         self.run.log(values, step=record["step"])

@@ -15,12 +15,29 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TIMING_KEYS", "History", "LoopInfo", "Stop", "jsonable", "read_jsonl"]
+__all__ = [
+    "THROUGHPUT_KEYS",
+    "TIMING_KEYS",
+    "History",
+    "LoopInfo",
+    "Stop",
+    "jsonable",
+    "read_jsonl",
+]
 
 
-TIMING_KEYS = ("time", "steps_per_sec", "examples_per_sec")
+TIMING_KEYS = ("time", "steps_per_sec", "examples_per_sec", "flops_per_sec", "mfu")
 """The keys of a record that depend on the clock, not on the run's math: leave
 them out to compare two runs' records."""
+
+THROUGHPUT_KEYS = (
+    "steps_per_sec",
+    "examples_per_sec",
+    "flops_per_step",
+    "flops_per_sec",
+    "mfu",
+)
+"""The keys of a train record's throughput: what loggers show as ``time/...``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +105,10 @@ class History:
     Each record is a dict: ``step``, ``epoch``, ``split`` (``"train"`` or
     ``"eval"``), ``time`` (wall time in seconds since `pztrain.fit` started)
     and ``metrics``. A train record also has ``steps_per_sec`` since the last
-    log point, and ``examples_per_sec`` when the batch size is known (see
-    `TIMING_KEYS`).
+    log point, ``examples_per_sec`` when the batch size is known, and the
+    step's FLOPs (``flops_per_step``, ``flops_per_sec``, and ``mfu`` when the
+    devices' peak is known: see `pztrain.fit`'s ``peak_flops``); see
+    `TIMING_KEYS` and `THROUGHPUT_KEYS`.
 
     Attributes:
       records: The records.

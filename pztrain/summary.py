@@ -176,11 +176,28 @@ def _key_text(key: Any) -> str:
     return f"legacy raw key {describe(key)} (jax.random.PRNGKey)"
 
 
-def _total(part: str, tree: Any, detail: str) -> tuple[str, str, str, str, str]:
+def _total(part: str, tree: Any, detail: str) -> tuple[str, ...]:
     arrays = [x for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")]
     count = sum(int(np.prod(np.shape(x))) for x in arrays)
     nbytes = sum(int(x.nbytes) for x in arrays)
-    return (part, f"{len(arrays):,}", f"{count:,}", _human(nbytes), detail)
+    per_device = _human(_per_device(arrays))
+    return (part, f"{len(arrays):,}", f"{count:,}", _human(nbytes), per_device, detail)
+
+
+def _per_device(arrays: Sequence[Any]) -> int:
+    """The bytes of ``arrays`` on their most loaded device (a host array's
+    whole size): what the state costs each device on a mesh."""
+    load: dict[Any, int] = {}
+    host = 0
+    for x in arrays:
+        sharding = getattr(x, "sharding", None)
+        if sharding is None or not np.size(x):
+            host += int(x.nbytes)
+            continue
+        shard = int(np.prod(sharding.shard_shape(x.shape))) * x.nbytes // np.size(x)
+        for device in sharding.device_set:
+            load[device] = load.get(device, 0) + shard
+    return host + max(load.values(), default=0)
 
 
 def _field_detail(value: Any) -> str:
@@ -196,7 +213,7 @@ def _field_detail(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _totals(state: Any) -> list[tuple[str, str, str, str, str]]:
+def _totals(state: Any) -> list[tuple[str, ...]]:
     lfs = state.loss_fn_state
     totals = [
         _total("params", state.params, ""),
@@ -216,7 +233,7 @@ def _totals(state: Any) -> list[tuple[str, str, str, str, str]]:
 
 
 _ROW_HEADER = ("name", "shape", "dtype", "count", "bytes", "kind")
-_TOTAL_HEADER = ("part", "arrays", "values", "bytes", "contents")
+_TOTAL_HEADER = ("part", "arrays", "values", "bytes", "per device", "contents")
 
 
 def _row_cells(rows: Sequence[ParamRow], sharded: bool) -> list[tuple[str, ...]]:
@@ -260,8 +277,8 @@ class Summary(str):
     Attributes:
       title: The first line (state type, step, trainable and frozen sizes).
       rows: One `ParamRow` per array of the model.
-      totals: ``(part, arrays, values, bytes, contents)`` per part of the state,
-        as text.
+      totals: ``(part, arrays, values, bytes, per device, contents)`` per part
+        of the state, as text (``per device``: on the most loaded device).
       step: The step, read from the device.
       key: The root key's implementation and shape.
     """

@@ -30,7 +30,7 @@ from pztrain.loop._hooks import Hooks, RecordLog
 from pztrain.loop._reporting import Reporter
 from pztrain.metrics import MetricSums
 from pztrain.monitors import LivePlot, Profile
-from pztrain.records import TIMING_KEYS, History
+from pztrain.records import THROUGHPUT_KEYS, TIMING_KEYS, History
 from pztrain.state import TrainState
 from pztrain.step import build_eval_step, build_train_step
 
@@ -193,10 +193,9 @@ def test_csv_logger_grows_its_columns(tmp_path):
     )
     rows = _csv_rows(tmp_path)
     header = list(rows[0])
-    assert header[:6] == ["step", "epoch", "split", "time", "steps_per_sec"] + [
-        "examples_per_sec"
-    ]
-    assert header[6:] == ["loss", "learning_rate", "acc"]  # acc came with eval
+    assert header[:4] == ["step", "epoch", "split", "time"]
+    assert header[4:9] == list(THROUGHPUT_KEYS)
+    assert header[9:] == ["loss", "learning_rate", "acc"]  # acc came with eval
     assert len(rows) == len(history.records)
     for row, record in zip(rows, history.records, strict=True):
         assert (int(row["step"]), row["split"]) == (record["step"], record["split"])

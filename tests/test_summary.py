@@ -59,16 +59,17 @@ def test_penzai_v2_rows_and_totals_are_exact():
     assert weights.kind == "trainable" and weights.sharding is None
     assert {r.name for r in summary.rows} == set(state.params)
     # 2*16 + 16 + 16*2 + 2 = 82 values, 328 bytes in float32
-    assert _total(summary, "params") == ("params", "4", "82", "328 B", "")
+    assert _total(summary, "params") == ("params", "4", "82", "328 B", "328 B", "")
     # adam: count (int32) + mu + nu = 1 + 2 * 82 values, 4 + 2 * 328 bytes
     assert _total(summary, "opt_state") == (
         "opt_state",
         "9",
         "165",
         "660 B",
+        "660 B",  # one device holds it all
         "(ScaleByAdamState, EmptyState)",
     )
-    assert _total(summary, "loss_fn_state")[1:] == ("0", "0", "0 B", "None")
+    assert _total(summary, "loss_fn_state")[1:] == ("0", "0", "0 B", "0 B", "None")
     assert summary.splitlines()[0] == (
         "TrainState at step 0: 4 trainable arrays, 82 values (328 B); 0 frozen"
     )
@@ -155,18 +156,24 @@ def test_dict_params_with_a_frozen_part_and_subclass_fields():
         "dense0/kernel": "frozen",
         "dense0/bias": "frozen",
     }
-    assert _total(summary, "batch_stats") == ("batch_stats", "2", "8", "32 B", "dict")
-    assert _total(summary, "epoch") == ("epoch", "1", "1", "4 B", "int32[] = 3")
+    assert _total(summary, "batch_stats") == (
+        "batch_stats", "2", "8", "32 B", "32 B", "dict"
+    )  # fmt: skip
+    assert _total(summary, "epoch") == (
+        "epoch", "1", "1", "4 B", "4 B", "int32[] = 3"
+    )  # fmt: skip
     assert _total(summary, "loss_fn_state") == (
         "loss_fn_state",
         "1",
         "3",
+        "12 B",
         "12 B",
         "dict",
     )
     # momentum: one trace per trained array (8*2 + 2 values)
     assert _total(summary, "opt_state")[2:] == (
         "18",
+        "72 B",
         "72 B",
         "(TraceState, EmptyState)",
     )
@@ -319,10 +326,17 @@ from pztrain.state import TrainState
 state = TrainState.initial_state(dict_mlp_params(hidden=16), optax.adam(0.1),
                                  jax.random.key(0))
 mesh = jax.make_mesh((8,), ("data",))
-summary = shard_state(state, mesh, ShardingRules(fsdp="data")).summary()
+sharded = shard_state(state, mesh, ShardingRules(fsdp="data"))
+summary = sharded.summary()
+device0 = sum(
+    s.data.nbytes for x in sharded.params.values() for s in x.addressable_shards
+    if s.device == jax.devices()[0]
+)
+params = [t for t in summary.totals if t[0] == "params"][0]
 print(json.dumps({"rows": {r.name: r.sharding for r in summary.rows},
                   "header": summary.splitlines()[2].split(),
-                  "html": summary._repr_html_()}))
+                  "html": summary._repr_html_(),
+                  "params": params, "device0": device0}))
 """
 
 
@@ -349,6 +363,8 @@ def test_a_state_on_eight_devices_shows_its_shardings():
     }
     assert out["header"][-1] == "sharding"
     assert "<th>sharding</th>" in out["html"]
+    # per device: the bytes of device 0's shards, less than the whole
+    assert out["params"][4] == f"{out['device0']} B" != out["params"][3]
 
 
 def test_penzai_v1_frozen_params_are_named_by_parameter_name():

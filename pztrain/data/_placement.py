@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pztrain._tree import named_leaves
 from pztrain.data._batch import BatchError
 
 __all__ = ["data_shards", "prefetch_to_device", "process_rows", "put_batch"]
@@ -55,11 +56,33 @@ def put_batch(batch: Any, sharding: Any = None) -> Any:
     if sharding is None:
         return jax.device_put(batch)
     if isinstance(sharding, NamedSharding):
+        _check_divides(batch, sharding)
         sharding = jax.tree.map(lambda x: _fit_rank(sharding, x), batch)
     addressable = all(s.is_fully_addressable for s in jax.tree.leaves(sharding))
     if addressable:
         return jax.device_put(batch, sharding)
     return jax.make_array_from_process_local_data(sharding, batch)
+
+
+def _check_divides(batch: Any, sharding: NamedSharding) -> None:
+    """Refuses a leaf whose example axis does not split evenly over the data
+    shards (each process's rows count ``process_count`` times)."""
+    spec = tuple(sharding.spec)
+    axis = next((i for i, entry in enumerate(spec) if entry is not None), None)
+    if axis is None:
+        return
+    shards = data_shards(sharding, axis)
+    rows = 1 if sharding.is_fully_addressable else jax.process_count()
+    for name, leaf in named_leaves(batch):
+        shape = getattr(leaf, "shape", ())
+        if len(shape) > axis and (shape[axis] * rows) % shards:
+            raise BatchError(
+                f"batch[{name!r}] has {shape[axis] * rows} examples along axis "
+                f"{axis}, which do not split evenly over the {shards} data shards "
+                f"of {sharding.spec} on a mesh of shape {dict(sharding.mesh.shape)}. "
+                f"Use a batch size that divides by {shards} (an ArrayLoader with "
+                "drop_remainder=True keeps every batch whole)."
+            )
 
 
 def _fit_rank(sharding: NamedSharding, leaf: Any) -> NamedSharding:

@@ -11,6 +11,7 @@
 
 from pztrain.loop._evaluate import evaluate
 from pztrain.loop._fit import fit
+from pztrain.loop._resources import PEAK_FLOPS
 from pztrain.records import History, LoopInfo
 
-__all__ = ["History", "LoopInfo", "evaluate", "fit"]
+__all__ = ["PEAK_FLOPS", "History", "LoopInfo", "evaluate", "fit"]

@@ -49,6 +49,7 @@ class FitArguments:
     prefetch: int = 2
     checkpoints: Checkpoints | None = None
     resume: bool = False
+    peak_flops: float | None = None
 
     def __post_init__(self) -> None:
         _check_parts(
@@ -72,6 +73,13 @@ class FitArguments:
         check_eval_every_epochs(
             self.eval_every_epochs, self.eval_every, self.eval_step is not None
         )
+        if self.peak_flops is not None and not (
+            isinstance(self.peak_flops, int | float) and self.peak_flops > 0
+        ):
+            raise ValueError(
+                "peak_flops must be a device's peak FLOPs per second, a number > 0 "
+                f"(e.g. 197e12); got {self.peak_flops!r}."
+            )
         self.callbacks = _checked_callbacks(self.callbacks)
         self.loggers = _checked_loggers(self.loggers)
 

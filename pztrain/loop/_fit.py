@@ -28,6 +28,7 @@ from pztrain.loop._arguments import FitArguments
 from pztrain.loop._evaluate import evaluate
 from pztrain.loop._hooks import Hooks, RecordLog, host_reads
 from pztrain.loop._reporting import Reporter
+from pztrain.loop._resources import check_memory, peak_flops, step_devices
 from pztrain.loop._schedule import Schedule, run_end
 from pztrain.loop._sources import BatchSource, batch_source
 from pztrain.records import History, LoopInfo, Stop
@@ -57,6 +58,7 @@ def fit(
     prefetch: int = 2,
     checkpoints: Checkpoints | None = None,
     resume: bool = False,
+    peak_flops: float | None = None,
 ) -> tuple[TrainState, History]:
     """Trains ``state`` with ``train_step`` on ``train_data``.
 
@@ -66,29 +68,28 @@ def fit(
       train_data: An `ArrayLoader` (its position follows the step) or any
         iterable of batch dicts (re-iterable: one epoch per pass; a one-shot
         iterator ends the run when it runs out).
-      num_steps: Train until ``state.step == num_steps`` (a total; if reached: a
-        warning that says so).
+      num_steps: Train until ``state.step == num_steps`` (a total).
       num_epochs: Train until this many epochs are done (not a generator's).
       eval_step: From `pztrain.build_eval_step`, with ``eval_data``.
       eval_data: The data for `pztrain.evaluate`.
       eval_every: Steps between evaluations (default: each epoch end, or the end).
-      eval_every_epochs: Evaluate at the end of every this many epochs (and at
-        the end) instead of each one.
+      eval_every_epochs: Evaluate every this many epochs (and at the end).
       log_every: Steps between log points (a multiple of ``steps_per_call``).
       callbacks: `pztrain.Callback` s, run in this order at each point.
-      loggers: Added to the `pztrain.JsonlLogger` of ``run_dir`` (unless one is
-        a `JsonlLogger`); ``loggers=[]`` turns that default log off. With
-        several processes, loggers and the progress bar run on process 0 only.
+      loggers: Added to the default `pztrain.JsonlLogger` of ``run_dir``
+        (``loggers=[]``: none); on process 0 only, as the progress bar.
       run_dir: The run directory for the default logger: its log is continued
         from the start step; a fresh run from step 0 refuses another run's.
       hparams: Hyperparameters to log once, at the start.
-      progress: Show a `pztrain.ProgressBar` (needs tqdm; none is added if
-        ``callbacks`` holds one), or this one.
-      prefetch: Batches moved to the device ahead of time (0 turns it off).
+      progress: Show a `pztrain.ProgressBar` (or this one; none if
+        ``callbacks`` holds one).
+      prefetch: Batches moved to the device ahead (0 turns it off).
       checkpoints: A `pztrain.Checkpoints` that saves during the run; its saves
         are finished when ``fit`` returns or raises.
       resume: Continue from the newest complete checkpoint in ``checkpoints``:
         state, data position, log records and callback counters.
+      peak_flops: A device's peak FLOPs per second, for the records' ``mfu``
+        (known accelerators' without it: `pztrain.loop.PEAK_FLOPS`).
 
     Returns:
       ``(state, history)``.
@@ -122,6 +123,7 @@ class _Run:
     reporter: Reporter
     evaluate: Callable[[TrainState], dict[str, float]]
     clock: Callable[[], float]  # the reporter's too
+    peak_flops: float | None  # per device, as given to fit
 
     @classmethod
     def wire(cls, args: FitArguments, schedule: Schedule) -> _Run:
@@ -143,6 +145,7 @@ class _Run:
                 evaluate, eval_step=args.eval_step, data=args.eval_data
             ),
             clock=clock,
+            peak_flops=args.peak_flops,
         )
 
     def evaluation(self, state: TrainState, step: int, epoch: int):
@@ -200,9 +203,23 @@ def _stretch(run: _Run, state, sums, step: int, stop_at: float):
         if sums is None:
             sums = run.train_step.metric_sums(state, batch)
             run.reporter.note_batch(batch, k)
+            _note_cost(run, state, batch)
         state, sums = run.train_step.accumulate(state, sums, batch, calls=calls)
         ran += calls * k
         yield state, sums, ran
+
+
+def _note_cost(run: _Run, state: TrainState, batch: Any) -> None:
+    """Before a step's first call: its memory against the devices' (an error
+    if it cannot fit) and its FLOPs for the records. The compilation this
+    needs is the one the call then uses."""
+    if not run.train_step.jit:  # nothing compiled to ask
+        return
+    cost = run.train_step.cost(state, batch)
+    devices = step_devices(run.train_step)
+    check_memory(cost, devices)
+    peak = peak_flops(devices, run.peak_flops)
+    run.reporter.note_cost(cost, run.schedule.steps_per_call, peak)
 
 
 def _end(state: TrainState, run: _Run) -> None:

@@ -26,6 +26,7 @@ from pztrain.loop._hooks import Hooks, host_reads
 from pztrain.metrics import MetricSums
 from pztrain.records import Stop
 from pztrain.state import TrainState
+from pztrain.step import StepCost
 
 __all__ = ["Reporter"]
 
@@ -68,6 +69,8 @@ class Reporter:
         self._pending: _LogPoint | None = None
         self._last = (start, self._t0)  # the last log point's step and time
         self.batch_size: int | None = None
+        self.flops_per_step: float | None = None  # from the compiled step
+        self.peak_flops: float | None = None  # all devices together, per second
 
     def note_batch(self, batch: Any, steps_per_call: int) -> None:
         """Takes the batch size (examples per step) from a batch's shapes (no
@@ -79,6 +82,12 @@ class Reporter:
             axis = 1 if steps_per_call > 1 else 0
             size = shape[axis] if len(shape) > axis else None
         self.batch_size = None if size is None else int(size)
+
+    def note_cost(self, cost: StepCost, steps_per_call: int, peak: float | None):
+        """Takes the FLOPs of a step (a call's over its steps) and the devices'
+        peak FLOPs per second (``None``: unknown) for the records."""
+        self.flops_per_step = cost.flops / steps_per_call
+        self.peak_flops = peak
 
     def log(self, state: TrainState, sums: MetricSums, step: int, epoch: int):
         """A train log point: ``(state, stop)``. ``sums`` must not change after."""
@@ -133,6 +142,12 @@ class Reporter:
         rate = {"steps_per_sec": round(steps / seconds, 3)}
         if self.batch_size is not None:
             rate["examples_per_sec"] = round(steps * self.batch_size / seconds, 3)
+        if self.flops_per_step:
+            flops = self.flops_per_step * steps / seconds
+            rate["flops_per_step"] = self.flops_per_step
+            rate["flops_per_sec"] = float(f"{flops:.4g}")
+            if self.peak_flops:
+                rate["mfu"] = round(flops / self.peak_flops, 5)
         return rate
 
     def _record(self, split: str, step: int, epoch: int, values: dict, t: float):

@@ -9,10 +9,13 @@ aux)``; `build_eval_step` an `EvalStep`.
 * `pztrain.step._fns`: the pure functions that are jitted, on a ``Carry`` and
   ``Inputs``;
 * `pztrain.step._programs`: compiled programs per model structure and optimizer;
-* `pztrain.step._microbatches`: gradient accumulation inside the step.
+* `pztrain.step._microbatches`: gradient accumulation inside the step;
+* `pztrain.step._mesh`: a step on a mesh (storage and compute layouts);
+* `pztrain.step._cost`: a compiled step's FLOPs and memory per device.
 """
 
 from pztrain.step._build import LossFunction, build_train_step
+from pztrain.step._cost import StepCost, StepMemory
 from pztrain.step._eval import EvalFunction, EvalStep, build_eval_step
 from pztrain.step._fns import OnDeviceBatches, StepOutputs
 from pztrain.step._train import TrainStep
@@ -22,6 +25,8 @@ __all__ = [
     "EvalStep",
     "LossFunction",
     "OnDeviceBatches",
+    "StepCost",
+    "StepMemory",
     "StepOutputs",
     "TrainStep",
     "build_eval_step",

@@ -28,31 +28,25 @@ def build_train_step(
 ) -> TrainStep:
     """Builds a train step for ``loss_fn`` (penzai's loss-function contract).
 
-    Donation is on by default with ``jit=True`` (one copy of the state in memory;
-    reusing an old state raises `pztrain.DonatedStateError`).
-
     Args:
       loss_fn: ``(*, model, state, rng, **batch) -> (loss, new_state, aux)``.
       jit: Whether to ``jax.jit`` the step (``False``: eagerly, to debug).
-      donate: Donate what the step updates (default: ``jit``).
+      donate: Donate what the step updates (default: ``jit``: one copy of the
+        state in memory; a donated state used again is a `DonatedStateError`).
       steps_per_call: Steps fused in one call; batch leaves get a leading axis.
       state_shardings: Optional shardings of the state's arrays (a
         `TrainState` of shardings) for the jitted step's inputs and outputs.
       batch_shardings: Optional shardings for the batch dict.
-      mesh: A device mesh: batch leaves split along ``data_axis``, the state's
-        shardings kept (`pztrain.sharded_initial_state`, `pztrain.shard_state`).
+      mesh: A device mesh (Auto, Explicit or mixed axes): batch leaves split
+        along ``data_axis``, the state's shardings kept (see
+        `pztrain.step._mesh` for the layouts inside the step).
       data_axis: The mesh axis (or axes) the examples of a batch are split over.
       microbatches: Micro-batches per step (accumulated grads: see `TrainStep`).
-      explicit_loss: On a mesh, run the loss function with every mesh axis
-        Explicit: it sees the params' compute layout in their types and decides
-        its activations' layouts itself (``jax.sharding.reshard``); by default
-        it runs in auto mode and needs not know the mesh.
+      explicit_loss: On a mesh, run ``loss_fn`` with Explicit axes (it sees the
+        compute layout in its types) instead of in auto mode.
 
     Returns:
-      A `TrainStep`.
-
-    Raises:
-      ValueError: for counts < 1 or ``donate=True`` without jit.
+      A `TrainStep`; a `ValueError` for counts < 1 or ``donate`` without jit.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax

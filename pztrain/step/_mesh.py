@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from pztrain.sharding import ShardingError
+
 __all__ = ["NO_MESH", "Layout", "MeshLayout", "compute_spec", "mesh_of"]
 
 
@@ -123,9 +125,35 @@ class MeshLayout(Layout):
     def user(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         skip = self.data_axes if self.manual else ()
         axes = tuple(a for a in self.mesh.axis_names if a not in skip)
-        if self.explicit_loss or not axes:
-            return fn
-        return jax.sharding.auto_axes(fn, axes=axes, out_sharding=PartitionSpec())
+        if not self.explicit_loss and axes:
+            fn = jax.sharding.auto_axes(fn, axes=axes, out_sharding=PartitionSpec())
+        return functools.partial(self._named_errors, fn)
+
+    def _named_errors(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs (traces) the user's function; a sharding error inside it
+        becomes a `pztrain.sharding.ShardingError` that says what the step
+        gave it and what to do."""
+        try:
+            return fn(*args)
+        except Exception as e:  # JAX's sharding errors have no public type
+            if not _is_sharding_error(e):
+                raise
+            mode = (
+                "explicit_loss=True: its arrays carry the compute layout in their "
+                "types (params with the data axes gathered, batches split over "
+                f"{list(self.data_axes)})"
+                if self.explicit_loss
+                else "in auto mode"
+            )
+            raise ShardingError(
+                f"The step's function failed on the mesh {dict(self.mesh.shape)} "
+                f"with a sharding error ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:300]}). It ran {mode}. In explicit "
+                "mode a sharding constraint is an assert: move arrays with "
+                "jax.sharding.reshard(x, spec), or build the step without "
+                "explicit_loss so that the compiler chooses the activations' "
+                "layouts."
+            ) from e
 
     def per_device(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         inner = dataclasses.replace(self, manual=True)
@@ -205,6 +233,13 @@ def _combine_state(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return jax.lax.pmean(x, axes)
     return jax.lax.pmax(x, axes)
+
+
+def _is_sharding_error(e: Exception) -> bool:
+    """Whether JAX raised ``e`` for a layout (it has no public error types)."""
+    if type(e).__name__ in ("ShardingTypeError", "DuplicateSpecError"):
+        return True
+    return isinstance(e, AssertionError) and "sharding" in str(e).lower()
 
 
 def _spec(x: Any) -> PartitionSpec:

@@ -76,6 +76,7 @@ class TrainPrograms:
         self._grads = None
         self.aux = aux  # forward-only aux, for metric names
         self.metric_names: dict[Any, tuple[str, ...]] = {}
+        self.costs: dict[Any, Any] = {}  # StepCost by batch shapes
 
     @property
     def grads(self) -> Any:

@@ -26,6 +26,7 @@ from pztrain.state import TrainState
 from pztrain.state._donation import raise_if_donated
 from pztrain.state._struct import after_step
 from pztrain.step import _fns
+from pztrain.step._cost import StepCost, StepMemory, cost_of
 from pztrain.step._fns import LossFunction, Static, StepOutputs
 from pztrain.step._mesh import NO_MESH, MeshLayout
 from pztrain.step._programs import (
@@ -303,6 +304,40 @@ class TrainStep:
         if self.batch_sharding is not None and isinstance(batch, Mapping):
             batch = _on_mesh(batch, self.batch_sharding)
         return found.program.step.lower(*flat_args(state, found, batch))
+
+    def cost(self, state: TrainState, batch: Any = None, /, **arrays: Any) -> StepCost:
+        """What one call costs, from the compiled step; nothing runs.
+
+        FLOPs and memory per device, from XLA's ``cost_analysis`` and
+        ``memory_analysis`` of the step compiled for this state and a batch
+        like ``batch`` (given as in a call). Compiled once per batch shape.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax
+          >>> from pztrain import TrainState, build_train_step
+          >>> def loss_fn(*, model, state, rng, x):
+          ...     loss = jnp.mean(x @ model["w"])
+          ...     return loss, state, {}
+          >>> state = TrainState.initial_state({"w": jnp.ones((4, 2))},
+          ...                                  optax.sgd(0.1), jax.random.key(0))
+          >>> cost = build_train_step(loss_fn).cost(state, x=jnp.ones((8, 4)))
+          >>> cost.flops > 0, cost.memory.total > 0
+          (True, True)
+        """
+        found = self._lookup(state)
+        batch = _one_batch(batch, arrays)
+        key = _shapes_key((flat_args(state, found, batch), self.steps_per_call))
+        costs = found.program.costs
+        if key not in costs:
+            compiled = self.lower(state, batch).compile()
+            costs[key] = cost_of(compiled, 1 if self.mesh is None else self.mesh.size)
+        return costs[key]
+
+    def memory(
+        self, state: TrainState, batch: Any = None, /, **arrays: Any
+    ) -> StepMemory:
+        """The memory one call needs per device (see `cost`), before it runs."""
+        return self.cost(state, batch, **arrays).memory
 
     def _lookup(self, state: TrainState) -> Found:
         return self._programs.lookup(
