@@ -3,7 +3,8 @@
 ``python multihost_fit_worker.py RUN_DIR PROCESS_ID NUM_PROCESSES PORT KILL_STEP``,
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=<4 / NUM_PROCESSES>``.
 
-Four devices in all (a ``data`` mesh over all of them), an FSDP-sharded state,
+Four devices in all (a ``data`` mesh over all of them, with Explicit axes if
+``MESH_AXES=explicit``, else Auto), an FSDP-sharded state,
 a mesh-aware `ArrayLoader` (each process feeds its rows), `Checkpoints` every 8
 steps and ``resume=True``, a JSONL log in ``RUN_DIR/log``, an evaluation every 16
 steps and a progress bar. With ``KILL_STEP > 0`` every process SIGKILLs itself at
@@ -79,7 +80,9 @@ def main(run_dir: str, pid: int, num: int, port: int, kill: int) -> None:
         "x": rng.standard_normal((96, 8)).astype(np.float32),
         "y": rng.standard_normal((96, 4)).astype(np.float32),
     }
-    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
+    # MESH_AXES=explicit: JAX's default axis type; else Auto.
+    types = {"explicit": AxisType.Explicit}.get(os.environ.get("MESH_AXES"))
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(types or AxisType.Auto,))
     rules = pztrain.ShardingRules(fsdp="data")
     state = pztrain.sharded_initial_state(make_state, mesh, rules)
     step = pztrain.build_train_step(loss_fn, mesh=mesh)

@@ -34,10 +34,10 @@ def _free_port() -> int:
 
 
 def _launch(
-    run_dir: Path, num: int, kill: int = 0
+    run_dir: Path, num: int, kill: int = 0, axes: str = "auto"
 ) -> list[subprocess.CompletedProcess]:
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MESH_AXES=axes)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // num}"
     procs = [
         subprocess.Popen(
@@ -70,18 +70,19 @@ def _launch(
     return done
 
 
-def test_two_processes_killed_and_resumed_match_one_process(tmp_path):
-    one = _launch(tmp_path / "one", 1)
+@pytest.mark.parametrize("axes", ["auto", "explicit"])
+def test_two_processes_killed_and_resumed_match_one_process(tmp_path, axes):
+    one = _launch(tmp_path / "one", 1, axes=axes)
     assert one[0].returncode == 0, one[0].stderr[-3000:]
     want = np.load(tmp_path / "one" / "final.npz")
 
     run = tmp_path / "two"
-    killed = _launch(run, 2, kill=20)
+    killed = _launch(run, 2, kill=20, axes=axes)
     for p in killed:
         assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
     assert (run / "ckpt" / "16").is_dir()
 
-    resumed = _launch(run, 2)
+    resumed = _launch(run, 2, axes=axes)
     for p in resumed:
         assert p.returncode == 0, p.stderr[-3000:]
     got = np.load(run / "final.npz")

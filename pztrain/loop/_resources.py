@@ -51,7 +51,8 @@ def check_memory(cost: StepCost, devices: Sequence[Any]) -> None:
       MemoryError: naming the need, the capacity and the knobs to try.
     """
     global _said_no_memory
-    capacity = _capacity(devices[0])
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    capacity = _capacity(local[0]) if local else None
     if capacity is None:
         if not _said_no_memory:
             _log.debug(
