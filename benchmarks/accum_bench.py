@@ -21,13 +21,25 @@ Printed per way: milliseconds per optimizer update, and from XLA's
 ``memory_analysis()`` of the compiled program(s): argument bytes (the state and
 batch a call reads: MultiSteps' state holds a params-sized gradient accumulator)
 and temp bytes (scratch: activations, gradients).
+
+``--mesh``: on 8 simulated devices (data parallel, the batch split over them),
+two ways: ``scan`` (the hand-written scan above, compiled by GSPMD: the grads
+are all-reduced at every micro-batch, as pztrain's micro-batches were before)
+and ``microbatches`` (pztrain: each device accumulates its own grads, averaged
+once per step); with the all-reduces of each compiled step.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import statistics
+import sys
 import time
+
+if "--mesh" in sys.argv:  # before jax is imported
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 import jax.numpy as jnp
@@ -90,19 +102,44 @@ def memory(compiled):
     return m.argument_size_in_bytes, m.temp_size_in_bytes
 
 
-def build(way, args, data):
-    """``(run_one_update, (argument_bytes, temp_bytes))`` for one way."""
+def all_reduces(compiled) -> str:
+    """All-reduces of the program: ``"entry+loop"`` (in the entry computation,
+    run once per update; elsewhere, inside the micro-batch loop: once per
+    micro-batch)."""
+    entry = loop = 0
+    in_entry = False
+    for line in compiled.as_text().splitlines():
+        if line and not line.startswith(" "):
+            in_entry = line.startswith("ENTRY")
+        if re.search(r"\sall-reduce(?:-start)?\(", line):
+            entry, loop = entry + in_entry, loop + (not in_entry)
+    return f"{entry}+{loop}"
+
+
+def build(way, args, data, mesh=None):
+    """``(run_one_update, (argument_bytes, temp_bytes, all-reduces))``."""
     sizes = (args.features, args.hidden, args.hidden, 10)
     k, micro = args.k, args.batch // args.k
     x, y = data
     xs, ys = x.reshape(k, micro, -1), y.reshape(k, micro)
     key = jax.random.key(0)
+    if mesh is not None:  # each micro-batch split over the devices
+        split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        x, y = jax.device_put((x, y), split)
+        micro_split = jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(None, "data")
+        )
+        xs, ys = jax.device_put((xs, ys), micro_split)
     if way == "scan":
         tx = optax.adam(1e-3)
         params = make_mlp(sizes)
         box = [params, tx.init(params)]
+        if mesh is not None:
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            box = list(jax.device_put(box, replicated))
         fn = scan_step(tx)
-        mem = memory(fn.lower(*box, xs, ys).compile())
+        compiled = fn.lower(*box, xs, ys).compile()
+        mem = (*memory(compiled), all_reduces(compiled))
 
         def run():
             box[:] = fn(box[0], box[1], xs, ys)
@@ -118,13 +155,17 @@ def build(way, args, data):
         loss_fn,
         steps_per_call=k if fused else 1,
         microbatches=k if way == "microbatches" else 1,
+        mesh=mesh,
     )
+    if mesh is not None:
+        state = pztrain.shard_state(state, mesh)
     if way in ("full", "microbatches") or fused:
         batch = {"x": xs, "y": ys} if fused else {"x": x, "y": y}
         batches = [batch]
     else:
         batches = [{"x": xs[i], "y": ys[i]} for i in range(k)]
-    mem = memory(step.lower(state, **batches[0]).compile())
+    compiled = step.lower(state, **batches[0]).compile()
+    mem = (*memory(compiled), all_reduces(compiled))
     box = [state]
 
     def run():
@@ -143,6 +184,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--updates", type=int, default=3, help="per repeat")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--mesh", action="store_true", help="8 devices, see above")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     data = (
@@ -150,7 +192,12 @@ def main():
         jnp.asarray(rng.integers(0, 10, args.batch), jnp.int32),
     )
     ways = ["full", "multisteps", "multisteps_fused", "scan", "microbatches"]
-    built = {w: build(w, args, data) for w in ways}
+    mesh = None
+    if args.mesh:
+        ways = ["scan", "microbatches"]
+        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        jax.set_mesh(mesh)  # the hand-written scan's context
+    built = {w: build(w, args, data, mesh) for w in ways}
     times: dict[str, list[float]] = {w: [] for w in ways}
     for w in ways:  # warm-up (compiles)
         jax.block_until_ready(built[w][0]())
@@ -172,12 +219,15 @@ def main():
         f"params, {4 * n / 2**20:.1f} MiB), batch {args.batch} as k={args.k}, "
         f"jax {jax.__version__}, {jax.devices()[0].platform}"
     )
-    print(f"{'way':<18}{'ms/update':>10}{'args MiB':>10}{'temp MiB':>10}")
+    print(
+        f"{'way':<18}{'ms/update':>10}{'args MiB':>10}{'temp MiB':>10}"
+        f"{'all-reduces (once+per micro-batch)':>36}"
+    )
     for w in ways:
-        arg, temp = built[w][1]
+        arg, temp, reduces = built[w][1]
         print(
             f"{w:<18}{1e3 * statistics.median(times[w]):>10.2f}"
-            f"{arg / 2**20:>10.1f}{temp / 2**20:>10.1f}"
+            f"{arg / 2**20:>10.1f}{temp / 2**20:>10.1f}{reduces:>36}"
         )
 
 
