@@ -49,4 +49,6 @@ def test_checkpoint_benchmark_completes():
 
 def test_mesh_benchmark_quick_mode_completes():
     out = _run("benchmarks/mesh_bench.py", "--quick", timeout=600)
-    assert "| data parallel |" in out and "| FSDP |" in out
+    for layout in ("data parallel", "FSDP"):
+        for kind in ("Auto", "Explicit"):
+            assert f"| {layout}, {kind} |" in out
