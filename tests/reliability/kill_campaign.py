@@ -59,8 +59,7 @@ from typing import Any
 
 import numpy as np
 
-# The clock-dependent keys of a record (pztrain.records.TIMING_KEYS).
-TIMING_KEYS = ("time", "steps_per_sec", "examples_per_sec")
+from pztrain.records import TIMING_KEYS  # the clock-dependent keys of a record
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "kill_worker.py"
