@@ -245,7 +245,7 @@ def _row_cells(rows: Sequence[ParamRow], sharded: bool) -> list[tuple[str, ...]]
 
 
 def _text_table(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
-    numeric = {"count", "bytes", "arrays", "values"}
+    numeric = {"count", "bytes", "arrays", "values", "per device"}
     widths = [max(len(c[i]) for c in [header, *cells]) for i in range(len(header))]
 
     def line(cell: Sequence[str]) -> str:
@@ -361,12 +361,12 @@ def summarize(state: Any) -> Summary:
       b     (3,)    float32      3     12  trainable
       w     (2, 3)  float32      6     24  trainable
       <BLANKLINE>
-      part                  arrays  values  bytes  contents
-      --------------------  ------  ------  -----  ------------------------
-      params                     2       9   36 B
-      model_without_params       0       0    0 B
-      opt_state                  0       0    0 B  (EmptyState, EmptyState)
-      loss_fn_state              0       0    0 B  None
+      part                  arrays  values  bytes  per device  contents
+      --------------------  ------  ------  -----  ----------  ------------------------
+      params                     2       9   36 B        36 B
+      model_without_params       0       0    0 B         0 B
+      opt_state                  0       0    0 B         0 B  (EmptyState, EmptyState)
+      loss_fn_state              0       0    0 B         0 B  None
       <BLANKLINE>
       step: 0
       key:  threefry2x32 key, shape ()
