@@ -1,4 +1,5 @@
-"""The pieces of a split model: slots, the Flax-style wrapper, and merging back."""
+"""The pieces of a split model: slots, the Flax-style wrapper, the rest of a
+Flax NNX model, and merging back."""
 
 from __future__ import annotations
 
@@ -9,16 +10,22 @@ from typing import Any
 import jax
 from penzai.core import variables as pz_vars
 
+from pztrain._tree import is_array, is_array_like
+
 __all__ = [
     "ApplyFnModel",
+    "NnxModel",
     "ParamSlot",
     "PartitionError",
     "Trainable",
+    "flax_nnx",
     "freeze_state_vars",
     "has_state_vars",
     "merge",
+    "model_state",
     "thaw_state_vars",
     "to_user_model",
+    "with_model_state",
 ]
 
 Trainable = Callable[[str, Any], bool] | str | None
@@ -77,6 +84,108 @@ class ApplyFnModel:
 jax.tree_util.register_dataclass(
     ApplyFnModel, data_fields=["params"], meta_fields=["apply_fn"]
 )
+
+
+def flax_nnx() -> Any:
+    """``flax.nnx``, imported when first needed (the optional extra ``nnx``)."""
+    try:
+        from flax import nnx
+    except ImportError:
+        raise ImportError(
+            "Flax NNX models need flax: pip install 'pztrain[nnx]'."
+        ) from None
+    return nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class NnxModel:
+    """A Flax NNX model without its params: its ``model_without_params``.
+
+    ``nnx.split(model)`` gives a graph definition and one ``nnx.State``; this
+    keeps both, with a `ParamSlot` in place of each trained ``nnx.Param`` array.
+    Its pytree children are the variables' values, keyed by name (``"bn/mean"``),
+    so summaries, checkpoints and shardings see batch statistics and rng state
+    by name. ``to_user_model(merge(params, rest))`` gives the ``nnx.Module``.
+
+    Attributes:
+      graphdef: The graph definition from ``nnx.split`` (static).
+      treedef: The structure of the model's ``nnx.State`` (static).
+      names: Each value's name: its variable's path, without ``/value``.
+      types: Each value's variable type (``"Param"``, ``"BatchStat"``,
+        ``"RngKey"``, ``"RngCount"``, a subclass's name …).
+      params: Whether each value is an ``nnx.Param``'s (trained, or left out
+        by the trainable filter).
+      shardings: ``(name, PartitionSpec)`` of each param with a sharding
+        annotation (``nnx.with_partitioning``, ``out_sharding`` metadata).
+      values: The values (the pytree children): a `ParamSlot` for each trained
+        param, the array (or other leaf) otherwise.
+    """
+
+    graphdef: Any
+    treedef: Any
+    names: tuple[str, ...]
+    types: tuple[str, ...]
+    params: tuple[bool, ...]
+    shardings: tuple[tuple[str, Any], ...]
+    values: tuple[Any, ...]
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the model holds arrays besides its params (its state)."""
+        return any(
+            not p and is_array(v) for p, v in zip(self.params, self.values, strict=True)
+        )
+
+    def module(self) -> Any:
+        """The ``nnx.Module``, with these values (slots must be filled)."""
+        for value in self.values:
+            if isinstance(value, ParamSlot):
+                raise PartitionError(
+                    f"Parameter {value.name!r} is still a slot: merge(params, rest) "
+                    "first."
+                )
+        return flax_nnx().merge(self.graphdef, self.treedef.unflatten(self.values))
+
+
+def _nnx_aux(m: NnxModel) -> tuple[Any, ...]:
+    return (m.graphdef, m.treedef, m.names, m.types, m.params, m.shardings)
+
+
+jax.tree_util.register_pytree_with_keys(
+    NnxModel,
+    lambda m: (
+        [(jax.tree_util.DictKey(n), v) for n, v in zip(m.names, m.values, strict=True)],
+        _nnx_aux(m),
+    ),
+    lambda aux, values: NnxModel(*aux, tuple(values)),
+    lambda m: (m.values, _nnx_aux(m)),
+)
+
+
+def model_state(rest: Any) -> dict[str, Any]:
+    """The model's own state in ``model_without_params``, by name.
+
+    For a Flax NNX model: the arrays of its variables that are not
+    ``nnx.Param`` s (batch statistics, rng keys and counts, caches, a user's
+    variable types), which params checkpoints keep beside the params. Empty for
+    other families (penzai v2 state variables are kept by full-state
+    checkpoints).
+    """
+    if not isinstance(rest, NnxModel):
+        return {}
+    return {
+        n: v
+        for n, p, v in zip(rest.names, rest.params, rest.values, strict=True)
+        if not p and is_array_like(v)
+    }
+
+
+def with_model_state(rest: Any, values: Mapping[str, Any]) -> Any:
+    """``rest`` with the `model_state` arrays named in ``values`` replaced."""
+    if not values:
+        return rest
+    new = tuple(values.get(n, v) for n, v in zip(rest.names, rest.values, strict=True))
+    return dataclasses.replace(rest, values=new)
 
 
 # ----------------------------------------------------------------------------
@@ -144,8 +253,11 @@ def to_user_model(model: Any) -> Any:
     """Turns frozen penzai v2 variable values back into mutable variables.
 
     Each label becomes one new variable object, so shared parameters stay shared.
-    Models of other families are returned unchanged.
+    A Flax NNX model (`NnxModel`) becomes its ``nnx.Module``. Models of other
+    families are returned unchanged.
     """
+    if isinstance(model, NnxModel):
+        return model.module()
     return _thaw(model, _is_var_value)
 
 

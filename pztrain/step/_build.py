@@ -6,11 +6,12 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from pztrain.partition import MODES
 from pztrain.state import TrainState  # noqa: F401 - the docstring's example
 from pztrain.step._fns import LossFunction
 from pztrain.step._train import TrainStep
 
-__all__ = ["LossFunction", "build_train_step"]
+__all__ = ["LossFunction", "build_train_step", "checked_mode"]
 
 
 def build_train_step(
@@ -24,6 +25,7 @@ def build_train_step(
     mesh: Mesh | None = None,
     data_axis: str | tuple[str, ...] = "data",
     microbatches: int = 1,
+    mode: str | None = "train",
 ) -> TrainStep:
     """Builds a train step for ``loss_fn`` (penzai's loss-function contract).
 
@@ -42,12 +44,16 @@ def build_train_step(
         shardings kept (`pztrain.sharded_initial_state`, `pztrain.shard_state`).
       data_axis: The mesh axis (or axes) the examples of a batch are split over.
       microbatches: Micro-batches per step (accumulated grads: see `TrainStep`).
+      mode: A Flax NNX model's mode: ``"train"`` (``model.train()``),
+        ``"eval"`` (e.g. frozen batch statistics) or ``None`` (as built, for
+        models that manage their modes); see `TrainStep`.
 
     Returns:
       A `TrainStep`.
 
     Raises:
-      ValueError: for counts < 1 or ``donate=True`` without jit.
+      ValueError: for counts < 1, ``donate=True`` without jit, or an unknown
+        ``mode``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -72,7 +78,18 @@ def build_train_step(
         mesh=_checked_mesh(mesh),
         data_axis=data_axis,
         microbatches=microbatches,
+        mode=checked_mode(mode),
     )
+
+
+def checked_mode(mode: Any) -> str | None:
+    """``mode`` if a step can run a model in it (`pztrain.partition.MODES`)."""
+    if mode not in MODES:
+        raise ValueError(
+            f"mode must be 'train', 'eval' or None (modes left as the model was "
+            f"built); got {mode!r}."
+        )
+    return mode
 
 
 def _checked_mesh(mesh: Any) -> Mesh | None:

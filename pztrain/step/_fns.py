@@ -3,8 +3,9 @@
 Every one of them takes the same two named pytrees: a `Carry` (what a train step
 updates; donated) and `Inputs` (what it reads). Inside: the step key is
 ``fold_in(root_rng, step)``, the params are merged into the model
-(`pztrain.partition.RestSpec.bind`), the loss function runs under
-``jax.value_and_grad`` and optax updates params and optimizer state.
+(`pztrain.partition.RestSpec.bind`, given the key and the step's ``mode``), the
+loss function runs under ``jax.value_and_grad`` and optax updates params and
+optimizer state.
 """
 
 from __future__ import annotations
@@ -162,10 +163,16 @@ StepFn = Callable[[Carry, Inputs], Any]
 
 
 def train_fn(
-    loss_fn, static: Static, optimizer_def, steps_per_call: int, microbatches: int = 1
+    loss_fn,
+    static: Static,
+    optimizer_def,
+    steps_per_call: int,
+    microbatches: int = 1,
+    mode: str | None = "train",
 ) -> StepFn:
     """``(carry, inputs) -> (carry, new_rest, aux)``: ``steps_per_call`` steps.
 
+    ``mode`` is the mode the model runs in (`pztrain.partition.RestSpec.bind`).
     ``new_rest`` holds the rest's new arrays when the model has state variables
     (else ``None``). ``aux`` is ``None`` when the carry holds metric sums (the
     metrics went into them); with ``steps_per_call=k`` its leaves are stacked
@@ -176,7 +183,7 @@ def train_fn(
     def one(carry: Carry, root_rng, rest, batch) -> tuple[Carry, Any, Any]:
         rng = jax.random.fold_in(root_rng, carry.step)  # the contract's key
         loss, lfs, aux, new_rest, grads = _grads(
-            loss_fn, static.rest, carry, rest, rng, batch, microbatches
+            loss_fn, static.rest, mode, carry, rest, rng, batch, microbatches
         )
         params, opt_state = optimizer_update(
             optimizer_def, grads, carry.opt_state, carry.params
@@ -220,7 +227,9 @@ def flat(run: StepFn) -> Callable[..., tuple[Any, ...]]:
     return flat_run
 
 
-def grads_fn(loss_fn, static: Static, microbatches: int = 1) -> StepFn:
+def grads_fn(
+    loss_fn, static: Static, microbatches: int = 1, mode: str | None = "train"
+) -> StepFn:
     """``(carry, inputs) -> StepOutputs`` for one batch; nothing is updated.
 
     With ``microbatches=m > 1``: the means over ``m`` micro-batches, as a step.
@@ -230,30 +239,33 @@ def grads_fn(loss_fn, static: Static, microbatches: int = 1) -> StepFn:
         batch = _batch_of(inputs.batch, carry.step, 1)
         rng = jax.random.fold_in(static.root_rng(inputs.root_rng), carry.step)
         loss, lfs, aux, _, grads = _grads(
-            loss_fn, static.rest, carry, inputs.rest, rng, batch, microbatches
+            loss_fn, static.rest, mode, carry, inputs.rest, rng, batch, microbatches
         )
         return StepOutputs(loss, lfs, aux, grads)
 
     return run
 
 
-def eval_fn(fn, static: Static) -> StepFn:
+def eval_fn(fn, static: Static, mode: str | None = "eval") -> StepFn:
     """``(carry, inputs) -> metrics``, with key ``fold_in(fold_in(root_rng, step), 1)``.
 
-    State-variable updates are dropped: evaluating changes nothing.
+    The model runs in ``mode``. State-variable updates are dropped: evaluating
+    changes nothing.
     """
 
     def run(carry: Carry, inputs: Inputs) -> Any:
         batch = _batch_of(inputs.batch, carry.step, 1)
         rng = jax.random.fold_in(static.root_rng(inputs.root_rng), carry.step)
         rng = jax.random.fold_in(rng, 1)
-        model, _ = static.rest.bind(carry.params, inputs.rest)
+        model, _ = static.rest.bind(carry.params, inputs.rest, rng, mode)
         return fn(model=model, state=carry.loss_fn_state, rng=rng, **batch)
 
     return run
 
 
-def aux_fn(loss_fn, static: Static, microbatches: int = 1) -> StepFn:
+def aux_fn(
+    loss_fn, static: Static, microbatches: int = 1, mode: str | None = "train"
+) -> StepFn:
     """``(carry, inputs) -> aux`` of the loss alone: forward only, no gradient.
 
     For `jax.eval_shape`: the metric names of a step, without tracing its
@@ -265,7 +277,7 @@ def aux_fn(loss_fn, static: Static, microbatches: int = 1) -> StepFn:
         if microbatches > 1:
             batch = first_microbatch(batch, microbatches)
         rng = jax.random.fold_in(static.root_rng(inputs.root_rng), carry.step)
-        model, _ = static.rest.bind(carry.params, inputs.rest)
+        model, _ = static.rest.bind(carry.params, inputs.rest, rng, mode)
         out = loss_fn(model=model, state=carry.loss_fn_state, rng=rng, **batch)
         return _check_loss_output(out, carry.loss_fn_state)[2]
 
@@ -280,19 +292,21 @@ def _batch_of(batch: Any, step: jax.Array, count: int) -> dict[str, Any]:
     return batch
 
 
-def _grads(loss_fn, spec: RestSpec, carry: Carry, rest, rng, batch, m: int):
+def _grads(loss_fn, spec: RestSpec, mode, carry: Carry, rest, rng, batch, m: int):
     """``(loss, new_loss_fn_state, aux, new_rest, grads)`` of one step."""
-    one = functools.partial(_loss_and_grads, loss_fn, spec, carry.params)
+    bind = functools.partial(spec.bind, mode=mode)
+    one = functools.partial(_loss_and_grads, loss_fn, bind, carry.params)
     if m == 1:
         return one(carry.loss_fn_state, rest, rng, batch)
     return accumulate(one, carry.loss_fn_state, rest, rng, batch, m)
 
 
-def _loss_and_grads(loss_fn, spec: RestSpec, params, loss_fn_state, rest, rng, batch):
-    """``(loss, new_loss_fn_state, aux, new_rest, grads)`` on one (micro-)batch."""
+def _loss_and_grads(loss_fn, bind, params, loss_fn_state, rest, rng, batch):
+    """``(loss, new_loss_fn_state, aux, new_rest, grads)`` on one (micro-)batch;
+    ``bind`` is the rest spec's, with the step's mode."""
 
     def loss_of(params):
-        model, new_rest = spec.bind(params, rest)
+        model, new_rest = bind(params, rest, rng)
         out = loss_fn(model=model, state=loss_fn_state, rng=rng, **batch)
         loss, lfs, aux = _check_loss_output(out, loss_fn_state)
         return loss, (lfs, aux, new_rest())

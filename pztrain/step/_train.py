@@ -59,6 +59,13 @@ class TrainStep:
         and applies their mean grads in one update. The loss and float aux
         scalars are averaged, integer ones summed, aux arrays concatenated back
         in batch order; `compute_grads` returns the same means.
+      mode: The mode the model runs in: ``"train"`` (a Flax NNX model's
+        ``model.train()``: batch statistics from the batch, and updated;
+        dropout on), ``"eval"`` (``model.eval()``, e.g. fine-tuning with frozen
+        batch statistics), or ``None`` (the modes it was built with, for a
+        model that manages its modes itself). Each step also reseeds an NNX
+        model's rng streams from its key (`pztrain.partition.reseed_streams`).
+        Other families have no modes.
     """
 
     def __init__(
@@ -73,8 +80,10 @@ class TrainStep:
         mesh: Mesh | None = None,
         data_axis: str | tuple[str, ...] = "data",
         microbatches: int = 1,
+        mode: str | None = "train",
     ):
         self.loss_fn = loss_fn
+        self.mode = mode
         self.jit = jit
         self.donate = donate
         self.steps_per_call = steps_per_call
@@ -88,10 +97,15 @@ class TrainStep:
         self._programs = Programs(self._build)
 
     def _build(self, static: Static, optimizer_def: Any) -> TrainPrograms:
-        k, m, loss_fn = self.steps_per_call, self.microbatches, self.loss_fn
-        step = _fns.flat(_fns.train_fn(loss_fn, static, optimizer_def, k, m))
-        grads = _fns.grads_fn(loss_fn, static, m)
-        aux = _fns.aux_fn(loss_fn, static, m)
+        k, m, loss_fn, mode = (
+            self.steps_per_call,
+            self.microbatches,
+            self.loss_fn,
+            self.mode,
+        )
+        step = _fns.flat(_fns.train_fn(loss_fn, static, optimizer_def, k, m, mode))
+        grads = _fns.grads_fn(loss_fn, static, m, mode)
+        aux = _fns.aux_fn(loss_fn, static, m, mode)
         if not self.jit:
             return TrainPrograms(step, lambda: grads, aux)
         if self.mesh is not None and self._state_shardings is None:
