@@ -18,6 +18,7 @@ __all__ = [
     "ParamSlot",
     "PartitionError",
     "Trainable",
+    "annotated_specs",
     "flax_nnx",
     "freeze_state_vars",
     "has_state_vars",
@@ -160,6 +161,17 @@ jax.tree_util.register_pytree_with_keys(
     lambda aux, values: NnxModel(*aux, tuple(values)),
     lambda m: (m.values, _nnx_aux(m)),
 )
+
+
+def annotated_specs(rest: Any) -> dict[str, Any]:
+    """The ``PartitionSpec`` s a model's own annotations give its params, by name.
+
+    For a Flax NNX model: the trained params with an ``out_sharding``
+    annotation (``nnx.with_partitioning``, ``kernel_metadata``), resolved by
+    flax's logical axis rules if any were set when the state was built. Empty
+    for other families.
+    """
+    return dict(rest.shardings) if isinstance(rest, NnxModel) else {}
 
 
 def model_state(rest: Any) -> dict[str, Any]:

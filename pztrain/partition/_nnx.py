@@ -253,6 +253,6 @@ def _changed_variables(
         f"The loss function {' and '.join(what) or 'restructured'} NNX variables "
         "during the step. pztrain carries a model's variables from step to step, "
         "so they are fixed when the state is built: create variables in the "
-        "module's __init__, and take values stored with sow out before the loss "
-        "returns (nnx.pop(model, nnx.Intermediate))."
+        "module's __init__, and collect intermediates with nnx.capture (or "
+        "nnx.pop them before the loss returns)."
     )

@@ -27,7 +27,7 @@ def build_train_step(
     microbatches: int = 1,
     mode: str | None = "train",
 ) -> TrainStep:
-    """Builds a train step for ``loss_fn`` (penzai's loss-function contract).
+    """Builds a `TrainStep` for ``loss_fn`` (penzai's loss-function contract).
 
     Donation is on by default with ``jit=True`` (one copy of the state in memory;
     reusing an old state raises `pztrain.DonatedStateError`).
@@ -40,20 +40,14 @@ def build_train_step(
       state_shardings: Optional shardings of the state's arrays (a
         `TrainState` of shardings) for the jitted step's inputs and outputs.
       batch_shardings: Optional shardings for the batch dict.
-      mesh: A device mesh: batch leaves split along ``data_axis``, the state's
-        shardings kept (`pztrain.sharded_initial_state`, `pztrain.shard_state`).
+      mesh: A device mesh: batches split along ``data_axis``, shardings kept.
       data_axis: The mesh axis (or axes) the examples of a batch are split over.
       microbatches: Micro-batches per step (accumulated grads: see `TrainStep`).
-      mode: A Flax NNX model's mode: ``"train"`` (``model.train()``),
-        ``"eval"`` (e.g. frozen batch statistics) or ``None`` (as built, for
-        models that manage their modes); see `TrainStep`.
-
-    Returns:
-      A `TrainStep`.
+      mode: A Flax NNX model's mode, ``"train"``, ``"eval"`` or ``None`` (as
+        built, for models that manage their modes): see `TrainStep`.
 
     Raises:
-      ValueError: for counts < 1, ``donate=True`` without jit, or an unknown
-        ``mode``.
+      ValueError: for counts < 1, ``donate=True`` without jit, a bad ``mode``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
