@@ -563,3 +563,14 @@ def test_pztrain_does_not_import_flax_for_other_models():
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_mixed_precision_keeps_batch_statistics_updated_in_float32():
+    loss = pztrain.mixed_precision(loss_fn, "params=float32,compute=bfloat16")
+    state = _state()
+    before = model_state(state.model_without_params)["bn/mean"]
+    state, aux = pztrain.build_train_step(loss)(state, **batch())
+    after = model_state(state.model_without_params)["bn/mean"]
+    assert after.dtype == jnp.float32 and not np.array_equal(after, before)
+    assert state.params["l1/kernel"].dtype == jnp.float32
+    assert aux["loss"].dtype == jnp.float32

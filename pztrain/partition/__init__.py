@@ -52,7 +52,7 @@ from pztrain.partition._model import (
     to_user_model,
     with_model_state,
 )
-from pztrain.partition._nnx import MODES, reseed_streams
+from pztrain.partition._nnx import MODES, nnx_variables, reseed_streams
 from pztrain.partition._rest import RestSpec, split_rest
 from pztrain.partition._split import family_of, param_values, split
 
@@ -68,6 +68,7 @@ __all__ = [
     "family_of",
     "merge",
     "model_state",
+    "nnx_variables",
     "param_values",
     "reseed_streams",
     "split",

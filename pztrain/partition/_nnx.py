@@ -41,6 +41,7 @@ __all__ = [
     "check_no_loose_variables",
     "is_linen_module",
     "is_nnx_module",
+    "nnx_variables",
     "reseed_streams",
     "split_nnx",
 ]
@@ -77,6 +78,19 @@ def check_no_loose_variables(model: Any) -> None:
                 "top-level nnx.Module. pztrain splits an NNX model as a whole: "
                 "make the model one nnx.Module (put the parts in its attributes)."
             )
+
+
+def nnx_variables(model: Any) -> tuple[list[Any], list[Any]]:
+    """``(params, others)``: the ``nnx.Param`` variables of an NNX module and
+    its other variables (``([], [])`` for other models), each once."""
+    if not is_nnx_module(model):
+        return [], []
+    nnx = flax_nnx()
+    params, others = [], []
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Variable):
+            (params if isinstance(node, nnx.Param) else others).append(node)
+    return params, others
 
 
 # ----------------------------------------------------------------------------
