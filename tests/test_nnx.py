@@ -574,3 +574,21 @@ def test_mixed_precision_keeps_batch_statistics_updated_in_float32():
     assert after.dtype == jnp.float32 and not np.array_equal(after, before)
     assert state.params["l1/kernel"].dtype == jnp.float32
     assert aux["loss"].dtype == jnp.float32
+
+
+def test_a_legacy_root_key_reseeds_the_streams_too():
+    state = pztrain.TrainState.initial_state(
+        mlp(), optax.sgd(0.0), jax.random.PRNGKey(0)
+    )
+    step = pztrain.build_train_step(
+        lambda *, model, state, rng, x: (
+            jnp.mean(model.drop(x)),
+            state,
+            {"mask": model.drop(x) != 0},
+        )
+    )
+    state, a = step(state, x=jnp.ones(64))
+    state, b = step(state, x=jnp.ones(64))
+    assert not (np.asarray(a["mask"]) == np.asarray(b["mask"])).all()
+    key = model_state(state.model_without_params)["drop/rngs/key"]
+    assert jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
