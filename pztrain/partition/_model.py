@@ -147,19 +147,57 @@ class NnxModel:
                 )
         return flax_nnx().merge(self.graphdef, self.treedef.unflatten(self.values))
 
+    def merged(self, params: Mapping[str, Any]) -> NnxModel:
+        """This rest with each slot filled from ``params`` (see `merge`)."""
+        return _nnx_model(self.aux(), tuple(_filled(params, v) for v in self.values))
 
-def _nnx_aux(m: NnxModel) -> tuple[Any, ...]:
-    return (m.graphdef, m.treedef, m.names, m.types, m.params, m.shardings)
+    def aux(self) -> tuple[Any, ...]:
+        """The static fields, in order."""
+        return (
+            self.graphdef,
+            self.treedef,
+            self.names,
+            self.types,
+            self.params,
+            self.shardings,
+        )
+
+
+def _nnx_model(aux: tuple[Any, ...], values: tuple[Any, ...]) -> NnxModel:
+    """An `NnxModel` without the dataclass ``__init__`` (the step rebuilds one
+    per call from new arrays)."""
+    m = object.__new__(NnxModel)
+    m.__dict__.update(zip(_NNX_FIELDS, (*aux, values), strict=True))
+    return m
+
+
+_NNX_FIELDS = tuple(f.name for f in dataclasses.fields(NnxModel))
+
+
+def _nnx_flatten(m: NnxModel, keys: bool) -> tuple[list[Any], tuple[Any, ...]]:
+    """Children: the values that are not slots (slots are static, in the aux)."""
+    children, slots = [], []
+    for i, (name, value) in enumerate(zip(m.names, m.values, strict=True)):
+        if isinstance(value, ParamSlot):
+            slots.append((i, value))
+        else:
+            children.append((jax.tree_util.DictKey(name), value) if keys else value)
+    return children, (m.aux(), tuple(slots))
+
+
+def _nnx_unflatten(aux: tuple[Any, ...], children: Any) -> NnxModel:
+    static, slots = aux
+    values = list(children)
+    for i, slot in slots:
+        values.insert(i, slot)
+    return _nnx_model(static, tuple(values))
 
 
 jax.tree_util.register_pytree_with_keys(
     NnxModel,
-    lambda m: (
-        [(jax.tree_util.DictKey(n), v) for n, v in zip(m.names, m.values, strict=True)],
-        _nnx_aux(m),
-    ),
-    lambda aux, values: NnxModel(*aux, tuple(values)),
-    lambda m: (m.values, _nnx_aux(m)),
+    lambda m: _nnx_flatten(m, keys=True),
+    _nnx_unflatten,
+    lambda m: _nnx_flatten(m, keys=False),
 )
 
 
@@ -227,19 +265,22 @@ def merge(params: Mapping[str, Any] | Any, rest: Any) -> Any:
     """
     if isinstance(rest, ApplyFnModel):
         return dataclasses.replace(rest, params=params)
+    if isinstance(rest, NnxModel):
+        return rest.merged(params)
+    return jax.tree.map(lambda x: _filled(params, x), rest, is_leaf=_is_slot)
 
-    def fill(x):
-        if _is_slot(x):
-            try:
-                return params[x.name]
-            except KeyError:
-                raise PartitionError(
-                    f"Parameter {x.name!r} is missing from params (it has "
-                    f"{len(params)} entries). Keep every name that split() made."
-                ) from None
+
+def _filled(params: Mapping[str, Any], x: Any) -> Any:
+    """The param of slot ``x`` (``x`` itself if it is not a slot)."""
+    if not _is_slot(x):
         return x
-
-    return jax.tree.map(fill, rest, is_leaf=_is_slot)
+    try:
+        return params[x.name]
+    except KeyError:
+        raise PartitionError(
+            f"Parameter {x.name!r} is missing from params (it has "
+            f"{len(params)} entries). Keep every name that split() made."
+        ) from None
 
 
 def _is_var_value(x: Any) -> bool:

@@ -23,7 +23,7 @@ from pztrain.metrics import MetricSums, metric_names
 from pztrain.sharding import data_sharding
 from pztrain.state import TrainState
 from pztrain.state._donation import raise_if_donated
-from pztrain.state._struct import after_step
+from pztrain.state._struct import after_step, replaced
 from pztrain.step import _fns
 from pztrain.step._fns import LossFunction, Static, StepOutputs
 from pztrain.step._programs import (
@@ -230,7 +230,7 @@ class TrainStep:
         new = after_step(state, out)
         if out[5] is not None:  # the model's state variables changed
             rest = self._programs.rebuild(found, out[5], optimizer_def, root_rng)
-            new = new.replace(model_without_params=rest)
+            new = replaced(new, {"model_without_params": rest})
         return new, out[4], out[6]
 
     @staticmethod
