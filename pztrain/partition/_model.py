@@ -104,9 +104,9 @@ class NnxModel:
 
     ``nnx.split(model)`` gives a graph definition and one ``nnx.State``; this
     keeps both, with a `ParamSlot` in place of each trained ``nnx.Param`` array.
-    Its pytree children are the variables' values, keyed by name (``"bn/mean"``),
-    so summaries, checkpoints and shardings see batch statistics and rng state
-    by name. ``to_user_model(merge(params, rest))`` gives the ``nnx.Module``.
+    Its pytree children are the values that are not slots, keyed by name
+    (``"bn/mean"``), so summaries, checkpoints and shardings see batch
+    statistics and rng state by name; the slots are static. ``to_user_model(merge(params, rest))`` gives the ``nnx.Module``.
 
     Attributes:
       graphdef: The graph definition from ``nnx.split`` (static).
@@ -118,8 +118,8 @@ class NnxModel:
         by the trainable filter).
       shardings: ``(name, PartitionSpec)`` of each param with a sharding
         annotation (``nnx.with_partitioning``, ``out_sharding`` metadata).
-      values: The values (the pytree children): a `ParamSlot` for each trained
-        param, the array (or other leaf) otherwise.
+      values: One per leaf of the state: a `ParamSlot` for each trained param,
+        the array (or other leaf) otherwise.
     """
 
     graphdef: Any
