@@ -106,7 +106,8 @@ class NnxModel:
     keeps both, with a `ParamSlot` in place of each trained ``nnx.Param`` array.
     Its pytree children are the values that are not slots, keyed by name
     (``"bn/mean"``), so summaries, checkpoints and shardings see batch
-    statistics and rng state by name; the slots are static. ``to_user_model(merge(params, rest))`` gives the ``nnx.Module``.
+    statistics and rng state by name; the slots are static.
+    ``to_user_model(merge(params, rest))`` gives the ``nnx.Module``.
 
     Attributes:
       graphdef: The graph definition from ``nnx.split`` (static).
