@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from penzai.core import variables as pz_vars
 
 from pztrain._tree import is_array
+from pztrain.partition import nnx_variables
 
 __all__ = ["Policy", "mixed_precision"]
 
@@ -234,7 +235,10 @@ def mixed_precision(
     `pztrain.step.LossFunction`). It gives ``loss_fn`` the model and the float
     batch entries in ``policy.compute_dtype`` and returns the loss and aux in
     ``policy.output_dtype``; ``new_state`` gets the dtypes of ``state`` back, and
-    penzai v2 state variables their old dtypes. The params stay in their own
+    penzai v2 state variables their old dtypes. A Flax NNX model's
+    ``nnx.Param`` s are cast in place (its module stays the one the step reads
+    the new state from) and its other variables (batch statistics) keep their
+    dtypes. The params stay in their own
     dtype in the `pztrain.TrainState` (cast them once with
     ``policy.cast_to_param`` to change it); their gradients arrive in that
     dtype.
@@ -296,14 +300,23 @@ def _run(loss_fn, policy: Policy, scale: float | None, model, state, rng, batch)
 
     variables = _state_variables(model)
     before = [v.value for v in variables]
+    nnx_params, nnx_state = nnx_variables(model)
+    nnx_before = [v.get_value() for v in nnx_state]
+    if nnx_params:  # in place: the step reads the module's new state after
+        for param in nnx_params:
+            param.set_value(jax.tree.map(to_compute, param.get_value()))
+    else:
+        model = jax.tree.map(to_compute, model)
     loss, new_state, aux = loss_fn(
-        model=jax.tree.map(to_compute, model),
+        model=model,
         state=state,
         rng=rng,
         **_cast(batch, policy.compute_dtype),
     )
     for variable, value in zip(variables, before, strict=True):
         variable.value = _like(variable.value, value)
+    for variable, value in zip(nnx_state, nnx_before, strict=True):
+        variable.set_value(_like(variable.get_value(), value))
     loss = _cast(loss, policy.output_dtype)
     if scale is not None:  # the backward pass starts from S
         loss = _scale_cotangent(loss, scale)

@@ -1,10 +1,11 @@
 """The state at a glance: `summarize` (``state.summary()``) and treescope's view.
 
 `summarize` lists every array of the model, one row each (name, shape, dtype,
-count, bytes, trainable / frozen / state / buffer, and the sharding when a state
-is placed on a mesh), then the totals of each part of the state, the step and
-the key. The result, a `Summary`, is a ``str`` (``print(state.summary())``) that
-a notebook shows as an HTML table.
+count, bytes, trainable / frozen / state / buffer with a Flax NNX variable's
+type, and the sharding when a state is placed on a mesh), then the totals of
+each part of the state, the step and the key. Typed PRNG key arrays show as
+``key<fry>`` with the bytes of their key data. The result, a `Summary`, is a
+``str`` (``print(state.summary())``) that a notebook shows as an HTML table.
 
 Treescope's own view of a state is `pztrain._treescope.readable_treescope`.
 """
@@ -25,7 +26,7 @@ from penzai.core import variables as pz_vars
 from treescope import rendering_parts
 
 from pztrain._tree import describe, is_array, is_float_array, named_leaves, path_name
-from pztrain.partition import ParamSlot
+from pztrain.partition import NnxModel, ParamSlot
 
 __all__ = [
     "ParamRow",
@@ -61,10 +62,14 @@ class ParamRow:
       count: The number of values.
       nbytes: The bytes it takes.
       kind: ``"trainable"`` (in ``state.params``), ``"frozen"`` (a float array
-        or penzai parameter left in the model), ``"state"`` (a penzai state
-        variable) or ``"buffer"`` (any other array, e.g. integer indices).
+        or a penzai or NNX parameter left in the model), ``"state"`` (a penzai
+        state variable, or a Flax NNX variable that is not an ``nnx.Param``) or
+        ``"buffer"`` (any other array, e.g. integer indices or a key).
       sharding: The ``PartitionSpec`` of a ``NamedSharding`` (``"P('data',
         None)"``), a description of another multi-device sharding, or ``None``.
+      variable: A Flax NNX model's variable type (``"Param"``,
+        ``"BatchStat"``, ``"RngKey"``, ``"RngCount"`` …), else ``None``; the
+        table shows it after the kind: ``state (BatchStat)``.
     """
 
     name: str
@@ -74,6 +79,12 @@ class ParamRow:
     nbytes: int
     kind: str
     sharding: str | None
+    variable: str | None = None
+
+    @property
+    def kind_text(self) -> str:
+        """The kind as the table shows it, with the variable type if any."""
+        return self.kind if self.variable is None else f"{self.kind} ({self.variable})"
 
 
 def _sharding(x: Any) -> str | None:
@@ -85,12 +96,15 @@ def _sharding(x: Any) -> str | None:
     return f"{type(sharding).__name__} over {len(sharding.device_set)} devices"
 
 
-def _row(name: str, x: Any, kind: str) -> ParamRow:
+def _row(name: str, x: Any, kind: str, variable: str | None = None) -> ParamRow:
     shape = tuple(int(d) for d in np.shape(x))
     count = int(np.prod(shape))
-    dtype = np.dtype(x.dtype)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # key<fry>: its key data
+        dtype, itemsize = str(x.dtype), x.dtype.itemsize
+    else:
+        dtype, itemsize = np.dtype(x.dtype).name, np.dtype(x.dtype).itemsize
     return ParamRow(
-        name, shape, dtype.name, count, count * dtype.itemsize, kind, _sharding(x)
+        name, shape, dtype, count, count * itemsize, kind, _sharding(x), variable
     )
 
 
@@ -110,8 +124,28 @@ def _variables() -> tuple[type, ...]:
     return _VALUE_TYPES + (() if v1 is None else (v1.Parameter,))
 
 
+def _nnx_rows(rest: NnxModel) -> list[ParamRow]:
+    """The arrays of an NNX model's rest: frozen params and state, with types."""
+    return [
+        _row(name, x, ("frozen" if param else "state"), kind)
+        for name, kind, param, x in zip(
+            rest.names, rest.types, rest.params, rest.values, strict=True
+        )
+        if is_array(x)
+    ]
+
+
+def _nnx_types(rest: Any) -> dict[str, str]:
+    """An NNX model's variable types by name (empty for other families)."""
+    if not isinstance(rest, NnxModel):
+        return {}
+    return dict(zip(rest.names, rest.types, strict=True))
+
+
 def _rest_rows(rest: Any) -> list[ParamRow]:
     """The arrays of ``model_without_params``: frozen params, state, buffers."""
+    if isinstance(rest, NnxModel):
+        return _nnx_rows(rest)
     types = _variables()
     is_var = lambda x: isinstance(x, types)  # noqa: E731
     rows: list[ParamRow] = []
@@ -239,7 +273,14 @@ _TOTAL_HEADER = ("part", "arrays", "values", "bytes", "per device", "contents")
 def _row_cells(rows: Sequence[ParamRow], sharded: bool) -> list[tuple[str, ...]]:
     cells = []
     for r in rows:
-        cell = (r.name, str(r.shape), r.dtype, f"{r.count:,}", f"{r.nbytes:,}", r.kind)
+        cell = (
+            r.name,
+            str(r.shape),
+            r.dtype,
+            f"{r.count:,}",
+            f"{r.nbytes:,}",
+            r.kind_text,
+        )
         cells.append(cell + ((r.sharding or "-",) if sharded else ()))
     return cells
 
@@ -372,8 +413,12 @@ def summarize(state: Any) -> Summary:
       key:  threefry2x32 key, shape ()
     """
     state.check_not_donated("state.summary()")
-    rows = [_row(n, x, "trainable") for n, x in named_leaves(state.params)]
-    rows += _rest_rows(state.model_without_params)
+    rest = state.model_without_params
+    types = _nnx_types(rest)
+    rows = [
+        _row(n, x, "trainable", types.get(n)) for n, x in named_leaves(state.params)
+    ]
+    rows += _rest_rows(rest)
     step = int(state.step)
     trained = [r for r in rows if r.kind == "trainable"]
     frozen = [r for r in rows if r.kind == "frozen"]

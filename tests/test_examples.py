@@ -32,6 +32,19 @@ def test_digits_example_with_fit(tmp_path):
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"eval"') >= 4
 
 
+def test_nnx_digits_example_trains_evaluates_and_reloads(tmp_path, capsys):
+    accuracy = _load("nnx_digits").main(
+        epochs=3, run_dir=str(tmp_path / "run"), progress=False, compare=False
+    )
+    assert accuracy > 0.9
+    out = capsys.readouterr().out
+    assert "state (BatchStat)" in out and "state (RngKey)" in out
+    reloaded = float(
+        out.split("reloaded into a fresh CNN: test accuracy")[1].split()[0]
+    )
+    assert abs(reloaded - accuracy) < 1e-3  # batch statistics came back
+
+
 def test_many_devices_example_on_eight_simulated_devices():
     """The example sets XLA_FLAGS before jax is imported: a subprocess."""
     import os

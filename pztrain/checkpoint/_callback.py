@@ -21,6 +21,7 @@ from pztrain.checkpoint import _directory, _format
 from pztrain.checkpoint._due import SavePoints
 from pztrain.checkpoint._metadata import CheckpointError
 from pztrain.checkpoint._retention import Retention
+from pztrain.checkpoint._targets import params_of
 from pztrain.checkpoint._writer import Writer
 from pztrain.records import jsonable
 from pztrain.state import DonatedStateError, TrainState
@@ -167,7 +168,8 @@ class Checkpoints(Callback):
             )
             return
         self._make_room(step)
-        args = _format.save_args(state.params, state, self._metadata(state, metrics))
+        params = params_of(state)
+        args = _format.save_args(params, state, self._metadata(state, metrics))
         self._metrics[step] = metrics
         self._saves += 1
         self._ranked += metrics is not None and self.monitor in metrics

@@ -3,7 +3,9 @@
 A checkpoint directory holds orbax items, written atomically (a temporary
 directory renamed on success):
 
-* ``params``: the trainable arrays, keyed ``"0"``, ``"1"``, … in name order;
+* ``params``: the trainable arrays, keyed ``"0"``, ``"1"``, … in name order,
+  with the model's own state after them (a Flax NNX model's batch statistics
+  and rng state, by name: `pztrain.partition.model_state`);
 * ``state`` (full-state checkpoints only): every other array of the
   `TrainState` (optimizer and loss-function state, step, key, arrays left in
   ``model_without_params``, extra subclass fields);
@@ -57,6 +59,8 @@ from pztrain.checkpoint._targets import (
     param_target,
     params_of,
     params_target,
+    state_skeleton,
+    state_with_params,
 )
 from pztrain.state import TrainState
 from pztrain.state._donation import check_alive
@@ -86,6 +90,10 @@ def save_params(
     overwrite: bool = False,
 ) -> Path:
     """Saves the params alone (arrays + JSON), named as in ``state.params``.
+
+    A Flax NNX model's other variables (batch statistics, rng keys and counts)
+    are saved beside them, by name (``"bn/mean"``), so that `load_params`
+    into a fresh model restores them too.
 
     Args:
       directory: Where to write; must not exist unless ``overwrite``.
@@ -121,7 +129,7 @@ def save_state(
     asynchronous saves during `pztrain.fit`, use `pztrain.Checkpoints`.
     """
     check_alive(state, "save_state", "the arrays of this TrainState")
-    args = save_args(state.params, state, state_metadata(state, metadata))
+    args = save_args(params_of(state), state, state_metadata(state, metadata))
     return _orbax.write(Path(directory), args, overwrite)
 
 
@@ -131,7 +139,7 @@ def save_args(
     """The orbax save arguments of a checkpoint: params, state arrays, JSON.
 
     Args:
-      params: The params pytree.
+      params: The params pytree (`params_of` a state).
       state: The whole state for a full-state checkpoint, else ``None``.
       metadata: Free-form JSON-able metadata.
 
@@ -177,8 +185,8 @@ def state_metadata(state: TrainState, metadata: dict[str, Any] | None) -> dict:
 
 
 def _state_leaves(state: TrainState) -> list[tuple[str, Any]]:
-    """Every leaf of the state but the params, named by key path."""
-    flat = jax.tree_util.tree_flatten_with_path(state.replace(params=None))[0]
+    """Every leaf of the state but what the params item holds, by key path."""
+    flat = jax.tree_util.tree_flatten_with_path(state_skeleton(state))[0]
     return [(path_repr(path), leaf) for path, leaf in flat]
 
 
@@ -258,7 +266,8 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
             "save_state / Checkpoints to resume training."
         )
     stored = stored_params(meta)
-    targets = dict(named_leaves(like.params))
+    like_params = params_of(like)
+    targets = dict(named_leaves(like_params))
     check_params(path, stored, targets, partial=False)
     leaves = _state_leaves(like)
     like_arrays = [(p, x) for p, x in leaves if is_array_like(x)]
@@ -270,7 +279,7 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
     by_name = _by_name(list(stored), restored["params"])
     arrays = [restored["state"][str(i)] for i in range(len(like_arrays))]
     rest = _filled_state(like, arrays, scalars)
-    return rest.replace(params=filled(like.params, by_name))
+    return state_with_params(like, rest, filled(like_params, by_name))
 
 
 def _by_name(names: list[str], restored: dict[str, Any]) -> dict[str, Any]:
@@ -281,7 +290,7 @@ def _by_name(names: list[str], restored: dict[str, Any]) -> dict[str, Any]:
 
 def _filled_state(like: TrainState, arrays: list[Any], scalars: dict) -> TrainState:
     """``like`` (params aside) with its arrays and stored numbers replaced."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(like.replace(params=None))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state_skeleton(like))
     new_arrays = iter(arrays)
     leaves = [
         next(new_arrays) if is_array_like(x) else scalars.get(path_repr(p), x)
@@ -366,7 +375,8 @@ def _whole_on_host(x: Any) -> np.ndarray:
         from jax.experimental import multihost_utils
 
         x = multihost_utils.process_allgather(x, tiled=True)
-    return np.ascontiguousarray(jax.device_get(x))
+    host = np.asarray(jax.device_get(x))
+    return np.ascontiguousarray(host).reshape(host.shape)  # a scalar stays 0-d
 
 
 def import_safetensors(

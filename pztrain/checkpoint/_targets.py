@@ -1,12 +1,19 @@
 """Where loaded arrays go: params into a `TrainState`, a model or a params
 pytree (concrete or abstract: ``jax.ShapeDtypeStruct`` leaves), each array onto
-its target's sharding."""
+its target's sharding.
+
+The params a checkpoint holds are the trainable arrays and, for a model with
+state of its own (`pztrain.partition.model_state`: a Flax NNX model's batch
+statistics, rng keys and counts), that state by name, PRNG keys as their key
+data; a full-state checkpoint then leaves the model's state out of its
+``state`` item (`state_skeleton`), so nothing is stored twice."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pztrain import partition
@@ -15,31 +22,105 @@ from pztrain.checkpoint._metadata import CheckpointMismatchError
 from pztrain.state import TrainState
 
 __all__ = [
+    "checkpoint_params",
     "concrete",
     "filled",
     "key_impl",
     "param_target",
     "params_of",
     "params_target",
+    "state_skeleton",
+    "state_with_params",
     "target_of",
 ]
 
 
 def params_of(state_or_params: Any) -> Any:
-    """The params of a `TrainState`, or the argument itself (a params pytree)."""
+    """What a checkpoint's params hold: a `TrainState`'s params and its model's
+    own state (`checkpoint_params`), or the argument itself (a params pytree)."""
     if isinstance(state_or_params, TrainState):
-        return state_or_params.params
+        return checkpoint_params(state_or_params.params, state_or_params)
     return state_or_params
 
 
+def checkpoint_params(params: Any, state: TrainState) -> Any:
+    """``params`` and the model's own state, PRNG keys as their key data."""
+    own = partition.model_state(state.model_without_params)
+    if not own:
+        return params
+    return {**params, **{name: _key_data(x) for name, x in own.items()}}
+
+
 def params_target(like: Any) -> tuple[Any, Any]:
-    """The params of ``like`` and a function that puts new ones back into it."""
+    """The params of ``like`` (with its model's own state, as `params_of`) and a
+    function that puts new ones back into it."""
     if isinstance(like, TrainState):
-        return like.params, lambda p: like.replace(params=p)
+        return params_of(like), lambda p: state_with_params(like, like, p)
     if _is_params_tree(like):
         return like, lambda p: p
     params, rest = partition.split(like, frozen=True)
-    return params, lambda p: partition.to_user_model(partition.merge(p, rest))
+    own = partition.model_state(rest)
+    stored = {**params, **{name: _key_data(x) for name, x in own.items()}}
+
+    def rebuild(p: dict[str, Any]) -> Any:
+        params, rest_now = _split_stored(p, rest)
+        return partition.to_user_model(partition.merge(params, rest_now))
+
+    return stored, rebuild
+
+
+def state_with_params(like: TrainState, base: TrainState, p: Any) -> TrainState:
+    """``base`` with the params and model state of ``p`` (named as
+    ``params_of(like)``)."""
+    params, rest = _split_stored(p, like.model_without_params)
+    own = partition.model_state(rest)
+    return base.replace(
+        params=params,
+        model_without_params=partition.with_model_state(base.model_without_params, own),
+    )
+
+
+def state_skeleton(state: TrainState) -> TrainState:
+    """``state`` without what its params checkpoint item holds: no params, and
+    ``None`` for each array of the model's own state."""
+    rest = state.model_without_params
+    own = partition.model_state(rest)
+    return state.replace(
+        params=None,
+        model_without_params=partition.with_model_state(rest, dict.fromkeys(own)),
+    )
+
+
+def _split_stored(p: Any, rest: Any) -> tuple[Any, Any]:
+    """``(params, rest)`` from stored params: the model's own state put into
+    ``rest`` (key data wrapped as the keys ``rest`` holds)."""
+    own = partition.model_state(rest)
+    if not own:
+        return p, rest
+    values = {name: _as_key_like(p[name], x) for name, x in own.items()}
+    params = {name: x for name, x in p.items() if name not in own}
+    return params, partition.with_model_state(rest, values)
+
+
+def _is_key(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_data(x: Any) -> Any:
+    """A PRNG key array's key data (abstract for an abstract key); else ``x``."""
+    if not _is_key(x):
+        return x
+    if isinstance(x, jax.Array):
+        return jax.random.key_data(x)
+    data = jax.eval_shape(jax.random.key_data, x)
+    return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
+
+
+def _as_key_like(data: Any, like: Any) -> Any:
+    """``data`` as a key of ``like``'s implementation if ``like`` is a key."""
+    if not _is_key(like) or _is_key(data) or isinstance(data, jax.ShapeDtypeStruct):
+        return data
+    return jax.random.wrap_key_data(data, impl=key_impl(like))
 
 
 def filled(params: Any, loaded: dict[str, Any]) -> Any:

@@ -1,4 +1,5 @@
-"""The pieces of a split model: slots, the Flax-style wrapper, and merging back."""
+"""The pieces of a split model: slots, the Flax-style wrapper, the rest of a
+Flax NNX model, and merging back."""
 
 from __future__ import annotations
 
@@ -9,16 +10,23 @@ from typing import Any
 import jax
 from penzai.core import variables as pz_vars
 
+from pztrain._tree import is_array, is_array_like
+
 __all__ = [
     "ApplyFnModel",
+    "NnxModel",
     "ParamSlot",
     "PartitionError",
     "Trainable",
+    "annotated_specs",
+    "flax_nnx",
     "freeze_state_vars",
     "has_state_vars",
     "merge",
+    "model_state",
     "thaw_state_vars",
     "to_user_model",
+    "with_model_state",
 ]
 
 Trainable = Callable[[str, Any], bool] | str | None
@@ -79,6 +87,158 @@ jax.tree_util.register_dataclass(
 )
 
 
+def flax_nnx() -> Any:
+    """``flax.nnx``, imported when first needed (the optional extra ``nnx``)."""
+    try:
+        from flax import nnx
+    except ImportError:
+        raise ImportError(
+            "Flax NNX models need flax: pip install 'pztrain[nnx]'."
+        ) from None
+    return nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class NnxModel:
+    """A Flax NNX model without its params: its ``model_without_params``.
+
+    ``nnx.split(model)`` gives a graph definition and one ``nnx.State``; this
+    keeps both, with a `ParamSlot` in place of each trained ``nnx.Param`` array.
+    Its pytree children are the values that are not slots, keyed by name
+    (``"bn/mean"``), so summaries, checkpoints and shardings see batch
+    statistics and rng state by name; the slots are static.
+    ``to_user_model(merge(params, rest))`` gives the ``nnx.Module``.
+
+    Attributes:
+      graphdef: The graph definition from ``nnx.split`` (static).
+      treedef: The structure of the model's ``nnx.State`` (static).
+      names: Each value's name: its variable's path, without ``/value``.
+      types: Each value's variable type (``"Param"``, ``"BatchStat"``,
+        ``"RngKey"``, ``"RngCount"``, a subclass's name …).
+      params: Whether each value is an ``nnx.Param``'s (trained, or left out
+        by the trainable filter).
+      shardings: ``(name, PartitionSpec)`` of each param with a sharding
+        annotation (``nnx.with_partitioning``, ``out_sharding`` metadata).
+      values: One per leaf of the state: a `ParamSlot` for each trained param,
+        the array (or other leaf) otherwise.
+    """
+
+    graphdef: Any
+    treedef: Any
+    names: tuple[str, ...]
+    types: tuple[str, ...]
+    params: tuple[bool, ...]
+    shardings: tuple[tuple[str, Any], ...]
+    values: tuple[Any, ...]
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the model holds arrays besides its params (its state)."""
+        return any(
+            not p and is_array(v) for p, v in zip(self.params, self.values, strict=True)
+        )
+
+    def module(self) -> Any:
+        """The ``nnx.Module``, with these values (slots must be filled)."""
+        for value in self.values:
+            if isinstance(value, ParamSlot):
+                raise PartitionError(
+                    f"Parameter {value.name!r} is still a slot: merge(params, rest) "
+                    "first."
+                )
+        return flax_nnx().merge(self.graphdef, self.treedef.unflatten(self.values))
+
+    def merged(self, params: Mapping[str, Any]) -> NnxModel:
+        """This rest with each slot filled from ``params`` (see `merge`)."""
+        return _nnx_model(self.aux(), tuple(_filled(params, v) for v in self.values))
+
+    def aux(self) -> tuple[Any, ...]:
+        """The static fields, in order."""
+        return (
+            self.graphdef,
+            self.treedef,
+            self.names,
+            self.types,
+            self.params,
+            self.shardings,
+        )
+
+
+def _nnx_model(aux: tuple[Any, ...], values: tuple[Any, ...]) -> NnxModel:
+    """An `NnxModel` without the dataclass ``__init__`` (the step rebuilds one
+    per call from new arrays)."""
+    m = object.__new__(NnxModel)
+    m.__dict__.update(zip(_NNX_FIELDS, (*aux, values), strict=True))
+    return m
+
+
+_NNX_FIELDS = tuple(f.name for f in dataclasses.fields(NnxModel))
+
+
+def _nnx_flatten(m: NnxModel, keys: bool) -> tuple[list[Any], tuple[Any, ...]]:
+    """Children: the values that are not slots (slots are static, in the aux)."""
+    children, slots = [], []
+    for i, (name, value) in enumerate(zip(m.names, m.values, strict=True)):
+        if isinstance(value, ParamSlot):
+            slots.append((i, value))
+        else:
+            children.append((jax.tree_util.DictKey(name), value) if keys else value)
+    return children, (m.aux(), tuple(slots))
+
+
+def _nnx_unflatten(aux: tuple[Any, ...], children: Any) -> NnxModel:
+    static, slots = aux
+    values = list(children)
+    for i, slot in slots:
+        values.insert(i, slot)
+    return _nnx_model(static, tuple(values))
+
+
+jax.tree_util.register_pytree_with_keys(
+    NnxModel,
+    lambda m: _nnx_flatten(m, keys=True),
+    _nnx_unflatten,
+    lambda m: _nnx_flatten(m, keys=False),
+)
+
+
+def annotated_specs(rest: Any) -> dict[str, Any]:
+    """The ``PartitionSpec`` s a model's own annotations give its params, by name.
+
+    For a Flax NNX model: the trained params with an ``out_sharding``
+    annotation (``nnx.with_partitioning``, ``kernel_metadata``), resolved by
+    flax's logical axis rules if any were set when the state was built. Empty
+    for other families.
+    """
+    return dict(rest.shardings) if isinstance(rest, NnxModel) else {}
+
+
+def model_state(rest: Any) -> dict[str, Any]:
+    """The model's own state in ``model_without_params``, by name.
+
+    For a Flax NNX model: the arrays of its variables that are not
+    ``nnx.Param`` s (batch statistics, rng keys and counts, caches, a user's
+    variable types), which params checkpoints keep beside the params. Empty for
+    other families (penzai v2 state variables are kept by full-state
+    checkpoints).
+    """
+    if not isinstance(rest, NnxModel):
+        return {}
+    return {
+        n: v
+        for n, p, v in zip(rest.names, rest.params, rest.values, strict=True)
+        if not p and is_array_like(v)
+    }
+
+
+def with_model_state(rest: Any, values: Mapping[str, Any]) -> Any:
+    """``rest`` with the `model_state` arrays named in ``values`` replaced."""
+    if not values:
+        return rest
+    new = tuple(values.get(n, v) for n, v in zip(rest.names, rest.values, strict=True))
+    return dataclasses.replace(rest, values=new)
+
+
 # ----------------------------------------------------------------------------
 # merge
 
@@ -106,19 +266,22 @@ def merge(params: Mapping[str, Any] | Any, rest: Any) -> Any:
     """
     if isinstance(rest, ApplyFnModel):
         return dataclasses.replace(rest, params=params)
+    if isinstance(rest, NnxModel):
+        return rest.merged(params)
+    return jax.tree.map(lambda x: _filled(params, x), rest, is_leaf=_is_slot)
 
-    def fill(x):
-        if _is_slot(x):
-            try:
-                return params[x.name]
-            except KeyError:
-                raise PartitionError(
-                    f"Parameter {x.name!r} is missing from params (it has "
-                    f"{len(params)} entries). Keep every name that split() made."
-                ) from None
+
+def _filled(params: Mapping[str, Any], x: Any) -> Any:
+    """The param of slot ``x`` (``x`` itself if it is not a slot)."""
+    if not _is_slot(x):
         return x
-
-    return jax.tree.map(fill, rest, is_leaf=_is_slot)
+    try:
+        return params[x.name]
+    except KeyError:
+        raise PartitionError(
+            f"Parameter {x.name!r} is missing from params (it has "
+            f"{len(params)} entries). Keep every name that split() made."
+        ) from None
 
 
 def _is_var_value(x: Any) -> bool:
@@ -144,8 +307,11 @@ def to_user_model(model: Any) -> Any:
     """Turns frozen penzai v2 variable values back into mutable variables.
 
     Each label becomes one new variable object, so shared parameters stay shared.
-    Models of other families are returned unchanged.
+    A Flax NNX model (`NnxModel`) becomes its ``nnx.Module``. Models of other
+    families are returned unchanged.
     """
+    if isinstance(model, NnxModel):
+        return model.module()
     return _thaw(model, _is_var_value)
 
 

@@ -10,11 +10,13 @@ import jax
 
 from pztrain._tree import is_array
 from pztrain.partition._model import (
+    NnxModel,
     freeze_state_vars,
     has_state_vars,
     merge,
     thaw_state_vars,
 )
+from pztrain.partition._nnx import bind_nnx
 
 __all__ = ["RestSpec", "split_rest"]
 
@@ -31,8 +33,9 @@ class RestSpec:
     Attributes:
       treedef: The rest's tree structure.
       static: ``(position, value)`` of each leaf that is not an array.
-      stateful: Whether the rest holds penzai v2 state variables, whose values a
-        loss function may change.
+      stateful: Whether the rest holds state a loss function may change:
+        penzai v2 state variables, or a Flax NNX model's variables that are not
+        params (batch statistics, rng state …).
     """
 
     treedef: Any
@@ -46,21 +49,43 @@ class RestSpec:
             leaves.insert(i, value)
         return self.treedef.unflatten(leaves)
 
-    def bind(self, params: Any, arrays: list[Any]) -> tuple[Any, Callable[[], Any]]:
+    def bind(
+        self,
+        params: Any,
+        arrays: list[Any],
+        rng: jax.Array | None = None,
+        mode: str | None = None,
+    ) -> tuple[Any, Callable[[], Any]]:
         """The model to give a loss function, and a reader of the rest's new arrays.
+
+        Args:
+          params: The params to merge in.
+          arrays: The rest's arrays (from `split_rest`, or new ones).
+          rng: The step's key. A Flax NNX model's rng streams are reseeded from
+            it (see `pztrain.partition.reseed_streams`); other families ignore it.
+          mode: ``"train"`` or ``"eval"``: a Flax NNX model is switched to that
+            mode (``model.train()`` / ``model.eval()``); ``None`` leaves its
+            modes as built. Other families ignore it.
 
         Returns:
           ``(model, new_arrays)``: the rest rebuilt from ``arrays`` with
           ``params`` merged in (state variables thawed, so the loss function can
           update them), and a function to call after the loss ran; it returns
-          the rest's arrays with the updated state variables, or ``None`` when
-          the rest has none.
+          the rest's arrays with the updated state, or ``None`` when the rest
+          has none.
         """
         rest = self.build(arrays)
+        if isinstance(rest, NnxModel):
+            model, after = bind_nnx(rest, params, rng, mode)
+            return model, lambda: self._arrays_of(after())
         if not self.stateful:
             return merge(params, rest), lambda: None
         rest = thaw_state_vars(rest)
         return merge(params, rest), lambda: split_rest(freeze_state_vars(rest))[1]
+
+    def _arrays_of(self, rest: Any) -> list[Any] | None:
+        """The arrays of an updated rest, or ``None`` if the rest is stateless."""
+        return split_rest(rest)[1] if self.stateful else None
 
 
 def split_rest(rest: Any) -> tuple[RestSpec, list[Any]]:
@@ -83,4 +108,5 @@ def split_rest(rest: Any) -> tuple[RestSpec, list[Any]]:
             arrays.append(leaf)
         else:
             static.append((i, leaf))
-    return RestSpec(treedef, tuple(static), has_state_vars(rest)), arrays
+    stateful = rest.stateful if isinstance(rest, NnxModel) else has_state_vars(rest)
+    return RestSpec(treedef, tuple(static), stateful), arrays

@@ -19,6 +19,12 @@ from pztrain.partition._model import (
     Trainable,
     merge,
 )
+from pztrain.partition._nnx import (
+    check_no_loose_variables,
+    is_linen_module,
+    is_nnx_module,
+    split_nnx,
+)
 
 __all__ = ["family_of", "param_values", "split"]
 
@@ -92,9 +98,11 @@ def family_of(model: Any) -> str:
     """Names the model family that `split` will use for ``model``.
 
     Returns:
-      ``"flax"`` for an `ApplyFnModel`, ``"penzai_v2"`` when the model holds penzai
-      variables, ``"penzai_v1"`` when it holds penzai v1 parameters, and
-      ``"pytree"`` otherwise (equinox modules included).
+      ``"flax"`` for an `ApplyFnModel`, ``"nnx"`` for a Flax ``nnx.Module``,
+      ``"linen"`` for a Flax linen module (which `split` refuses),
+      ``"penzai_v2"`` when the model holds penzai variables, ``"penzai_v1"``
+      when it holds penzai v1 parameters, and ``"pytree"`` otherwise (equinox
+      modules included).
 
     Example:
       >>> import jax.numpy as jnp
@@ -103,6 +111,10 @@ def family_of(model: Any) -> str:
     """
     if isinstance(model, ApplyFnModel):
         return "flax"
+    if is_nnx_module(model):
+        return "nnx"
+    if is_linen_module(model):
+        return "linen"
     v1 = _v1_module()
     v1_types = () if v1 is None else (v1.Parameter, v1.UninitializedParameter)
     var_types = (pz_vars.AbstractVariable, pz_vars.AbstractVariableValue)
@@ -171,7 +183,9 @@ def split(
     """Splits ``model`` into named trainable arrays and the model without them.
 
     Args:
-      model: A penzai v2 or v1 model, an equinox module, or any pytree.
+      model: A penzai v2 or v1 model, a Flax ``nnx.Module`` (its float
+        ``nnx.Param`` arrays are the parameters; every other variable stays in
+        the rest), an equinox module, or any pytree.
       trainable: Which parameters to train: ``None`` for all (penzai v2
         parameters with ``metadata["trainable"] == False`` excepted), a regex
         searched in each name, or a predicate ``(name, value) -> bool``. Arrays
@@ -187,7 +201,8 @@ def split(
 
     Raises:
       PartitionError: on duplicate names, an unsupported leaf, an uninitialized
-        penzai v1 parameter, or when no trainable parameter is left.
+        penzai v1 parameter, a Flax linen module or an NNX model without
+        ``nnx.Param``, or when no trainable parameter is left.
 
     Example:
       >>> import jax.numpy as jnp
@@ -202,11 +217,16 @@ def split(
     family = family_of(model)
     if family == "flax":
         return model.params, dataclasses.replace(model, params=None)
-    if family == "penzai_v2":
+    if family == "linen":
+        raise _linen_error(model)
+    if family == "nnx":
+        params, rest = split_nnx(model, keep)
+    elif family == "penzai_v2":
         params, rest = _split_penzai_v2(model, keep, frozen)
     elif family == "penzai_v1":
         params, rest = _split_penzai_v1(model, keep)
     else:
+        check_no_loose_variables(model)
         params, rest = _split_pytree(model, keep)
     if not params:
         raise PartitionError(
@@ -215,6 +235,16 @@ def split(
             "floating-point arrays; check the filter or the model."
         )
     return params, rest
+
+
+def _linen_error(model: Any) -> PartitionError:
+    return PartitionError(
+        f"The model ({type(model).__name__}) is a Flax linen module, which holds "
+        "no arrays: initialise it (variables = model.init(key, x)) and build the "
+        "state from its apply function, TrainState.create(apply_fn=model.apply, "
+        "params=variables['params'], tx=...). Or write the model as a "
+        "flax.nnx.Module and give it to TrainState.initial_state."
+    )
 
 
 def _split_pytree(model: Any, keep) -> tuple[dict[str, Any], Any]:

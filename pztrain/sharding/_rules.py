@@ -11,6 +11,10 @@ in Flax and MaxText:
 - ``fsdp``: a mesh axis over which every other parameter is split along its
   largest dimension that divides (fully sharded data parallel).
 
+A Flax NNX param's own annotation (``nnx.with_partitioning``, ``out_sharding``
+metadata: `pztrain.partition.annotated_specs`) names mesh axes for it: it comes
+after ``patterns`` and before the other rules.
+
 A dimension that does not divide by its mesh axes stays replicated.
 """
 
@@ -28,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from penzai.core import named_axes
 
 from pztrain._tree import named_leaves
-from pztrain.partition import ParamSlot
+from pztrain.partition import ParamSlot, annotated_specs
 from pztrain.state import TrainState
 
 __all__ = ["MeshAxes", "ShardingError", "ShardingRules", "mesh_axes", "param_specs"]
@@ -46,8 +50,9 @@ class ShardingRules:
     """Which mesh axes split each parameter's dimensions.
 
     For each parameter the first rule that applies wins: a matching
-    ``patterns`` entry, then the penzai named ``axes`` it has, then ``fsdp``;
-    with none, the parameter is replicated.
+    ``patterns`` entry, then a Flax NNX param's own sharding annotation, then
+    the penzai named ``axes`` it has, then ``fsdp``; with none, the parameter
+    is replicated.
 
     Attributes:
       axes: Penzai named axis → mesh axis (or axes, or ``None``), for params
@@ -207,12 +212,31 @@ def param_specs(
     """
     rules = rules or ShardingRules()
     named = _named_axes(state.model_without_params)
-    return {
-        name: rules.spec(
-            name,
-            tuple(x.shape),
-            named[name](len(x.shape)) if name in named else None,
-            mesh,
-        )
-        for name, x in named_leaves(state.params)
-    }
+    annotated = annotated_specs(state.model_without_params)
+    specs = {}
+    for name, x in named_leaves(state.params):
+        shape = tuple(x.shape)
+        if name in annotated and not _pattern_matches(rules, name):
+            specs[name] = _annotated(name, shape, annotated[name], mesh)
+        else:
+            axis_names = named[name](len(shape)) if name in named else None
+            specs[name] = rules.spec(name, shape, axis_names, mesh)
+    return specs
+
+
+def _pattern_matches(rules: ShardingRules, name: str) -> bool:
+    return any(p.search(name) for p, _ in rules._compiled)  # type: ignore[attr-defined]
+
+
+def _annotated(name: str, shape: tuple[int, ...], spec: P, mesh: Mesh) -> P:
+    """The spec a param's own sharding annotation gives, on ``mesh``."""
+    for axis in (a for entry in spec for a in mesh_axes(entry)):
+        if axis not in mesh.shape:
+            raise ShardingError(
+                f"Parameter {name!r} is annotated with sharding {tuple(spec)} "
+                f"(nnx.with_partitioning / out_sharding), which names mesh axis "
+                f"{axis!r}; the mesh has {list(mesh.shape)}. Name the mesh's "
+                "axes (or set flax's logical axis rules when building the "
+                "model), or give the parameter a ShardingRules pattern."
+            )
+    return _fitted(_checked_spec(name, shape, spec, mesh), shape, mesh)

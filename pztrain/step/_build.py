@@ -6,11 +6,12 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from pztrain.partition import MODES
 from pztrain.state import TrainState  # noqa: F401 - the docstring's example
 from pztrain.step._fns import LossFunction
 from pztrain.step._train import TrainStep
 
-__all__ = ["LossFunction", "build_train_step"]
+__all__ = ["LossFunction", "build_train_step", "checked_mode"]
 
 
 def build_train_step(
@@ -25,28 +26,28 @@ def build_train_step(
     data_axis: str | tuple[str, ...] = "data",
     microbatches: int = 1,
     explicit_loss: bool = False,
+    mode: str | None = "train",
 ) -> TrainStep:
-    """Builds a train step for ``loss_fn`` (penzai's loss-function contract).
+    """Builds a `TrainStep` for ``loss_fn`` (penzai's loss-function contract).
 
     Args:
       loss_fn: ``(*, model, state, rng, **batch) -> (loss, new_state, aux)``.
       jit: Whether to ``jax.jit`` the step (``False``: eagerly, to debug).
-      donate: Donate what the step updates (default: ``jit``: one copy of the
-        state in memory; a donated state used again is a `DonatedStateError`).
+      donate: Donate what the step updates (default ``jit``; a donated state
+        used again is a `DonatedStateError`).
       steps_per_call: Steps fused in one call; batch leaves get a leading axis.
-      state_shardings: Optional shardings of the state's arrays (a
-        `TrainState` of shardings) for the jitted step's inputs and outputs.
-      batch_shardings: Optional shardings for the batch dict.
-      mesh: A device mesh (Auto, Explicit or mixed axes): batch leaves split
-        along ``data_axis``, the state's shardings kept (see
-        `pztrain.step._mesh` for the layouts inside the step).
+      state_shardings: A `TrainState` of shardings for the step's in and outs.
+      batch_shardings: Shardings for the batch dict.
+      mesh: A device mesh (Auto, Explicit or mixed axes): batches split along
+        ``data_axis``, shardings kept (layouts inside: `pztrain.step._mesh`).
       data_axis: The mesh axis (or axes) the examples of a batch are split over.
       microbatches: Micro-batches per step (accumulated grads: see `TrainStep`).
       explicit_loss: On a mesh, run ``loss_fn`` with Explicit axes (it sees the
         compute layout in its types) instead of in auto mode.
+      mode: A Flax NNX model's mode: ``"train"``, ``"eval"`` or ``None`` (as built).
 
-    Returns:
-      A `TrainStep`; a `ValueError` for counts < 1 or ``donate`` without jit.
+    Raises:
+      ValueError: for counts < 1, ``donate=True`` without jit, a bad ``mode``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -55,9 +56,9 @@ def build_train_step(
       ...     return loss, state, {"loss": loss}
       >>> state = TrainState.initial_state({"w": jnp.array(0.0)}, optax.sgd(0.1),
       ...                                  jax.random.key(0))
-      >>> train_step = build_train_step(loss_fn)
+      >>> train_step, x = build_train_step(loss_fn), jnp.ones(4)
       >>> for _ in range(50):
-      ...     state, aux = train_step(state, x=jnp.ones(4), y=2 * jnp.ones(4))
+      ...     state, aux = train_step(state, x=x, y=2 * x)
       >>> round(float(state.params["w"]), 3)
       2.0
     """
@@ -72,7 +73,18 @@ def build_train_step(
         data_axis=data_axis,
         microbatches=microbatches,
         explicit_loss=explicit_loss,
+        mode=checked_mode(mode),
     )
+
+
+def checked_mode(mode: Any) -> str | None:
+    """``mode`` if a step can run a model in it (`pztrain.partition.MODES`)."""
+    if mode not in MODES:
+        raise ValueError(
+            f"mode must be 'train', 'eval' or None (modes left as the model was "
+            f"built); got {mode!r}."
+        )
+    return mode
 
 
 def _checked_mesh(mesh: Any) -> Mesh | None:

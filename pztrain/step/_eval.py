@@ -9,6 +9,7 @@ import jax
 from pztrain.state import TrainState
 from pztrain.state._donation import raise_if_donated
 from pztrain.step import _fns
+from pztrain.step._build import checked_mode
 from pztrain.step._fns import Static
 from pztrain.step._mesh import MeshLayout, mesh_of
 from pztrain.step._programs import OnMesh, Programs, args_of
@@ -28,16 +29,20 @@ class EvalStep:
 
     The key is ``fold_in(fold_in(root_rng, step), 1)``: fixed for a given state,
     and distinct from the train key of the same step. Nothing is donated and the
-    state is not changed (penzai v2 state-variable updates are dropped).
+    state is not changed (penzai v2 state-variable updates and a Flax NNX
+    model's batch-statistic and rng updates are dropped).
 
     Attributes:
       eval_fn: The eval function.
       jit: Whether the step is jitted.
+      mode: The mode the model runs in (``"eval"``: a Flax NNX model's
+        ``model.eval()``, running averages and no dropout).
     """
 
-    def __init__(self, eval_fn: EvalFunction, *, jit: bool):
+    def __init__(self, eval_fn: EvalFunction, *, jit: bool, mode: str | None = "eval"):
         self.eval_fn = eval_fn
         self.jit = jit
+        self.mode = mode
         self._programs = Programs(self._build)
 
     def _build(self, static: Static, mesh: Any) -> Any:
@@ -45,10 +50,10 @@ class EvalStep:
         in explicit mode with the eval function in auto mode, as a train step
         (`pztrain.step._mesh`); evaluation needs no compute layout."""
         if mesh is None:
-            fn = _fns.eval_fn(self.eval_fn, static)
+            fn = _fns.eval_fn(self.eval_fn, static, self.mode)
             return jax.jit(fn) if self.jit else fn
         layout = MeshLayout(mesh, data_axes=())
-        fn = _fns.eval_fn(self.eval_fn, static, layout)
+        fn = _fns.eval_fn(self.eval_fn, static, self.mode, layout)
         return OnMesh(fn, layout, {}, ("state", "inputs")) if self.jit else fn
 
     def __call__(self, state: TrainState, **batch: Any) -> Any:
@@ -62,12 +67,18 @@ class EvalStep:
             raise
 
 
-def build_eval_step(eval_fn: EvalFunction, *, jit: bool = True) -> EvalStep:
+def build_eval_step(
+    eval_fn: EvalFunction, *, jit: bool = True, mode: str | None = "eval"
+) -> EvalStep:
     """Builds an eval step: ``eval_fn(*, model, state, rng, **batch) -> metrics``.
 
     Args:
       eval_fn: Returns a pytree of metrics (usually a dict of scalars).
       jit: Whether to ``jax.jit`` it.
+      mode: The mode a Flax NNX model runs in: ``"eval"`` (``model.eval()``:
+        running averages, no dropout), ``"train"`` (e.g. Monte Carlo dropout;
+        the batch statistics it computes are not kept), or ``None`` for a model
+        that manages its modes itself. Ignored by other families.
 
     Returns:
       An `EvalStep`.
@@ -83,4 +94,4 @@ def build_eval_step(eval_fn: EvalFunction, *, jit: bool = True) -> EvalStep:
     """
     if not callable(eval_fn):
         raise TypeError(f"eval_fn must be callable; got {type(eval_fn).__name__}.")
-    return EvalStep(eval_fn, jit=jit)
+    return EvalStep(eval_fn, jit=jit, mode=checked_mode(mode))

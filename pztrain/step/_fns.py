@@ -3,8 +3,9 @@
 Every one of them takes the same two named pytrees: a `Carry` (what a train step
 updates; donated) and `Inputs` (what it reads). Inside: the step key is
 ``fold_in(root_rng, step)``, the params are merged into the model
-(`pztrain.partition.RestSpec.bind`), the loss function runs under
-``jax.value_and_grad`` and optax updates params and optimizer state.
+(`pztrain.partition.RestSpec.bind`, given the key and the step's ``mode``), the
+loss function runs under ``jax.value_and_grad`` and optax updates params and
+optimizer state.
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ def train_fn(
     optimizer_def,
     steps_per_call: int,
     microbatches: int = 1,
+    mode: str | None = "train",
     layout: Layout = NO_MESH,
 ) -> StepFn:
     """``(carry, inputs) -> (carry, new_rest, aux)``: ``steps_per_call`` steps.
@@ -179,12 +181,13 @@ def train_fn(
     grads and aux come from `pztrain.step._microbatches.accumulate`. On a mesh
     (``layout``, see `pztrain.step._mesh`) the loss sees the params in their
     compute layout and the optimizer gets grads in their storage layout.
+    ``mode`` is the mode the model runs in (`pztrain.partition.RestSpec.bind`).
     """
 
     def one(carry: Carry, root_rng, rest, batch) -> tuple[Carry, Any, Any]:
         rng = jax.random.fold_in(root_rng, carry.step)  # the contract's key
         loss, lfs, aux, new_rest, grads = _grads(
-            loss_fn, static.rest, carry, rest, rng, batch, microbatches, layout
+            loss_fn, static.rest, mode, carry, rest, rng, batch, microbatches, layout
         )
         params, opt_state = optimizer_update(
             optimizer_def, grads, carry.opt_state, carry.params
@@ -229,7 +232,11 @@ def flat(run: StepFn) -> Callable[..., tuple[Any, ...]]:
 
 
 def grads_fn(
-    loss_fn, static: Static, microbatches: int = 1, layout: Layout = NO_MESH
+    loss_fn,
+    static: Static,
+    microbatches: int = 1,
+    mode: str | None = "train",
+    layout: Layout = NO_MESH,
 ) -> StepFn:
     """``(carry, inputs) -> StepOutputs`` for one batch; nothing is updated.
 
@@ -240,17 +247,28 @@ def grads_fn(
         batch = _batch_of(inputs.batch, carry.step, 1)
         rng = jax.random.fold_in(static.root_rng(inputs.root_rng), carry.step)
         loss, lfs, aux, _, grads = _grads(
-            loss_fn, static.rest, carry, inputs.rest, rng, batch, microbatches, layout
+            loss_fn,
+            static.rest,
+            mode,
+            carry,
+            inputs.rest,
+            rng,
+            batch,
+            microbatches,
+            layout,
         )
         return StepOutputs(loss, lfs, aux, grads)
 
     return run
 
 
-def eval_fn(fn, static: Static, layout: Layout = NO_MESH) -> StepFn:
+def eval_fn(
+    fn, static: Static, mode: str | None = "eval", layout: Layout = NO_MESH
+) -> StepFn:
     """``(carry, inputs) -> metrics``, with key ``fold_in(fold_in(root_rng, step), 1)``.
 
-    State-variable updates are dropped: evaluating changes nothing.
+    The model runs in ``mode``. State-variable updates are dropped: evaluating
+    changes nothing.
     """
 
     def run(carry: Carry, inputs: Inputs) -> Any:
@@ -259,7 +277,7 @@ def eval_fn(fn, static: Static, layout: Layout = NO_MESH) -> StepFn:
         rng = jax.random.fold_in(rng, 1)
 
         def metrics(params, rest, lfs, rng, batch):
-            model, _ = static.rest.bind(params, rest)
+            model, _ = static.rest.bind(params, rest, rng, mode)
             return fn(model=model, state=lfs, rng=rng, **batch)
 
         params = layout.compute(carry.params)
@@ -271,7 +289,11 @@ def eval_fn(fn, static: Static, layout: Layout = NO_MESH) -> StepFn:
 
 
 def aux_fn(
-    loss_fn, static: Static, microbatches: int = 1, layout: Layout = NO_MESH
+    loss_fn,
+    static: Static,
+    microbatches: int = 1,
+    mode: str | None = "train",
+    layout: Layout = NO_MESH,
 ) -> StepFn:
     """``(carry, inputs) -> aux`` of the loss alone: forward only, no gradient.
 
@@ -286,7 +308,7 @@ def aux_fn(
         rng = jax.random.fold_in(static.root_rng(inputs.root_rng), carry.step)
 
         def aux_of(params, rest, lfs, rng, batch):
-            model, _ = static.rest.bind(params, rest)
+            model, _ = static.rest.bind(params, rest, rng, mode)
             out = loss_fn(model=model, state=lfs, rng=rng, **batch)
             return _check_loss_output(out, lfs)[2]
 
@@ -304,19 +326,20 @@ def _batch_of(batch: Any, step: jax.Array, count: int) -> dict[str, Any]:
     return batch
 
 
-def _grads(loss_fn, spec: RestSpec, carry: Carry, rest, rng, batch, m, layout):
+def _grads(loss_fn, spec: RestSpec, mode, carry: Carry, rest, rng, batch, m, layout):
     """``(loss, new_loss_fn_state, aux, new_rest, grads)`` of one step, the
     grads in the params' (storage) layout. Micro-batches run per device on a
     mesh (`pztrain.step._mesh.MeshLayout.per_device`)."""
     params = layout.compute(carry.params)
+    bind = functools.partial(spec.bind, mode=mode)
     if m == 1:
         out = _loss_and_grads(
-            loss_fn, spec, params, layout, carry.loss_fn_state, rest, rng, batch
+            loss_fn, bind, params, layout, carry.loss_fn_state, rest, rng, batch
         )
     else:
 
         def micro(layout, params, lfs, rest, rng, batch):
-            one = functools.partial(_loss_and_grads, loss_fn, spec, params, layout)
+            one = functools.partial(_loss_and_grads, loss_fn, bind, params, layout)
             return accumulate(one, lfs, rest, rng, batch, m, layout.zeros)
 
         run = layout.per_device(micro)
@@ -324,14 +347,13 @@ def _grads(loss_fn, spec: RestSpec, carry: Carry, rest, rng, batch, m, layout):
     return (*out[:4], layout.store(out[4], carry.params))
 
 
-def _loss_and_grads(
-    loss_fn, spec: RestSpec, params, layout, loss_fn_state, rest, rng, batch
-):
+def _loss_and_grads(loss_fn, bind, params, layout, loss_fn_state, rest, rng, batch):
     """``(loss, new_loss_fn_state, aux, new_rest, grads)`` on one (micro-)batch,
-    the grads in the layout of ``params``."""
+    the grads in the layout of ``params``; ``bind`` is the rest spec's, with
+    the step's mode."""
 
     def loss_of(params, rest, loss_fn_state, rng, batch):
-        model, new_rest = spec.bind(params, rest)
+        model, new_rest = bind(params, rest, rng)
         out = loss_fn(model=model, state=loss_fn_state, rng=rng, **batch)
         loss, lfs, aux = _check_loss_output(out, loss_fn_state)
         return loss, (lfs, aux, new_rest())

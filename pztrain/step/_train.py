@@ -24,7 +24,7 @@ from pztrain.sharding import data_sharding
 from pztrain.sharding._rules import mesh_axes
 from pztrain.state import TrainState
 from pztrain.state._donation import raise_if_donated
-from pztrain.state._struct import after_step
+from pztrain.state._struct import after_step, replaced
 from pztrain.step import _fns
 from pztrain.step._cost import StepCost, StepMemory, cost_of
 from pztrain.step._fns import LossFunction, Static, StepOutputs
@@ -74,6 +74,13 @@ class TrainStep:
         and applies their mean grads in one update. The loss and float aux
         scalars are averaged, integer ones summed, aux arrays concatenated back
         in batch order; `compute_grads` returns the same means.
+      mode: The mode the model runs in: ``"train"`` (a Flax NNX model's
+        ``model.train()``: batch statistics from the batch, and updated;
+        dropout on), ``"eval"`` (``model.eval()``, e.g. fine-tuning with frozen
+        batch statistics), or ``None`` (the modes it was built with, for a
+        model that manages its modes itself). Each step also reseeds an NNX
+        model's rng streams from its key (`pztrain.partition.reseed_streams`).
+        Other families have no modes.
     """
 
     def __init__(
@@ -89,8 +96,10 @@ class TrainStep:
         data_axis: str | tuple[str, ...] = "data",
         microbatches: int = 1,
         explicit_loss: bool = False,
+        mode: str | None = "train",
     ):
         self.loss_fn = loss_fn
+        self.mode = mode
         self.jit = jit
         self.donate = donate
         self.steps_per_call = steps_per_call
@@ -109,15 +118,17 @@ class TrainStep:
         self._programs = Programs(self._build)
 
     def _build(self, static: Static, optimizer_def: Any) -> TrainPrograms:
-        k, m, loss_fn, layout = (
+        k, m, loss_fn, mode, layout = (
             self.steps_per_call,
             self.microbatches,
             self.loss_fn,
+            self.mode,
             self._layout,
         )
-        step = _fns.flat(_fns.train_fn(loss_fn, static, optimizer_def, k, m, layout))
-        grads = _fns.grads_fn(loss_fn, static, m, layout)
-        aux = _fns.aux_fn(loss_fn, static, m, layout)
+        train = _fns.train_fn(loss_fn, static, optimizer_def, k, m, mode, layout)
+        step = _fns.flat(train)
+        grads = _fns.grads_fn(loss_fn, static, m, mode, layout)
+        aux = _fns.aux_fn(loss_fn, static, m, mode, layout)
         if not self.jit:
             return TrainPrograms(step, lambda: grads, aux)
         if isinstance(layout, MeshLayout):
@@ -246,7 +257,7 @@ class TrainStep:
         new = after_step(state, out)
         if out[5] is not None:  # the model's state variables changed
             rest = self._programs.rebuild(found, out[5], optimizer_def, root_rng)
-            new = new.replace(model_without_params=rest)
+            new = replaced(new, {"model_without_params": rest})
         return new, out[4], out[6]
 
     @staticmethod
