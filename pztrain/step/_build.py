@@ -52,8 +52,7 @@ def build_train_step(
     Example:
       >>> import jax, jax.numpy as jnp, optax
       >>> def loss_fn(*, model, state, rng, x, y):
-      ...     loss = jnp.mean((x * model["w"] - y) ** 2)
-      ...     return loss, state, {"loss": loss}
+      ...     return jnp.mean((x * model["w"] - y) ** 2), state, {}
       >>> state = TrainState.initial_state({"w": jnp.array(0.0)}, optax.sgd(0.1),
       ...                                  jax.random.key(0))
       >>> train_step, x = build_train_step(loss_fn), jnp.ones(4)
