@@ -2,9 +2,9 @@
 
 The cache keeps XLA's compiled programs between runs (in the system's temporary
 directory, or ``$PZTRAIN_JAX_CACHE``; ``PZTRAIN_JAX_CACHE=0`` turns it off), so a
-second ``python -m pytest -m "not slow"`` compiles almost nothing. JAX keys
-every entry by the program, the JAX version and the flags: a hit is the same
-program.
+second ``python -m pytest -m "not slow"`` compiles almost nothing; the processes
+tests start use it too. JAX keys every entry by the program, the JAX version and
+the flags: a hit is the same program.
 """
 
 import getpass
@@ -24,3 +24,8 @@ if _cache not in ("", "0"):
     jax.config.update("jax_compilation_cache_dir", _cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    # The processes the tests start (workers, examples, kill campaigns that
+    # resume the same run again and again) share it through JAX's variables.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
