@@ -248,14 +248,17 @@ def _stretch(run: _Run, state, sums, step: int, stop_at: float):
         if sums is None:
             sums = run.train_step.metric_sums(state, batch)
             run.reporter.note_batch(batch, k)
-        state, sums = run.train_step.accumulate(
-            state, sums, batch, calls=calls, stop_flag=flag
-        )
-        if flag.stopped and calls > 1:  # a stop may have skipped some calls
-            with host_reads():
-                ran = int(state.step) - step
-        else:
+        if calls == 1:
+            state, sums = run.train_step.accumulate(state, sums, batch)
+            ran += k
+        else:  # the step reads the flag before each of its calls
+            state, sums = run.train_step.accumulate(
+                state, sums, batch, calls=calls, stop_flag=flag
+            )
             ran += calls * k
+            if flag.stopped:  # it may have skipped some
+                with host_reads():
+                    ran = int(state.step) - step
         yield state, sums, ran
 
 
