@@ -125,8 +125,9 @@ def without_time(records):
 
 def test_sigint_stops_before_the_next_call_and_keeps_the_state(capsys):
     before = signal.getsignal(signal.SIGINT)
-    state, history = run(data=SignalingBatches(at=7), num_steps=8, log_every=3,
-                         prefetch=0)  # fmt: skip
+    state, history = run(
+        data=SignalingBatches(at=7), num_steps=8, log_every=3, prefetch=0
+    )
     assert history.stop_reason == "interrupted"
     assert int(state.step) == 7  # batch 7 came with the signal: not trained on
     assert [r["step"] for r in history.records] == [3, 6, 7]  # the partial stretch
@@ -146,13 +147,13 @@ def test_sigint_stops_before_the_next_call_and_keeps_the_state(capsys):
 
 
 def test_the_partial_record_holds_the_steps_since_the_last_log_point():
-    _, history = run(data=SignalingBatches(at=5), num_steps=8, log_every=3,
-                     prefetch=0)  # fmt: skip
+    _, history = run(data=SignalingBatches(at=5), num_steps=8, log_every=3, prefetch=0)
     _, each = reference(5, log_every=1)
     losses = [r["metrics"]["loss"] for r in each.records]
     (partial,) = [r for r in history.records if r["step"] == 5]
-    np.testing.assert_allclose(partial["metrics"]["loss"], np.mean(losses[3:5]),
-                               rtol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        partial["metrics"]["loss"], np.mean(losses[3:5]), rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
@@ -166,8 +167,14 @@ def test_a_signal_during_the_first_compile_stops_after_the_first_call(on_device)
         return loss_fn(**kw)
 
     step = pztrain.build_train_step(signaling_loss)
-    state, history = fit(new_state(), step, loader(on_device=on_device),
-                         num_steps=8, log_every=4, progress=False)  # fmt: skip
+    state, history = fit(
+        new_state(),
+        step,
+        loader(on_device=on_device),
+        num_steps=8,
+        log_every=4,
+        progress=False,
+    )
     assert history.stop_reason == "interrupted"
     assert int(state.step) == 1
     assert [r["step"] for r in history.records] == [1]
@@ -181,16 +188,29 @@ def test_interrupted_with_checkpoints_saves_the_step_and_resumes(tmp_path, on_de
 
     class SavedBeforeTheEnd(Callback):
         def on_train_end(self, state, history):
-            self.steps = sorted(int(p.name) for p in ckpt.directory.iterdir()
-                                if p.name.isdigit())  # fmt: skip
+            self.steps = sorted(
+                int(p.name) for p in ckpt.directory.iterdir() if p.name.isdigit()
+            )
 
     end = SavedBeforeTheEnd()
-    state, history = run(data=data, num_steps=16, log_every=4, checkpoints=ckpt,
-                         callbacks=[SignalAt(8), end], run_dir=tmp_path / "r")  # fmt: skip
+    state, history = run(
+        data=data,
+        num_steps=16,
+        log_every=4,
+        checkpoints=ckpt,
+        callbacks=[SignalAt(8), end],
+        run_dir=tmp_path / "r",
+    )
     assert history.stop_reason == "interrupted"
     assert int(state.step) == 8 and end.steps == [8]  # on disk before on_train_end
-    resumed, _ = run(data=data, num_steps=16, log_every=4, checkpoints=ckpt,
-                     resume=True, run_dir=tmp_path / "r")  # fmt: skip
+    resumed, _ = run(
+        data=data,
+        num_steps=16,
+        log_every=4,
+        checkpoints=ckpt,
+        resume=True,
+        run_dir=tmp_path / "r",
+    )
     assert_same_state(resumed, whole)
     assert without_time(read_jsonl(tmp_path / "r")) == without_time(
         read_jsonl(tmp_path / "w")
@@ -204,8 +224,12 @@ def test_a_second_sigint_raises_at_once_and_the_disk_stays_valid(tmp_path):
     whole, _ = reference(16, log_every=2)
     ckpt = Checkpoints(tmp_path, every_steps=4)
     with pytest.raises(KeyboardInterrupt) as caught:
-        run(num_steps=16, log_every=2, checkpoints=ckpt,
-            callbacks=[SignalAt(6, times=2)])  # fmt: skip
+        run(
+            num_steps=16,
+            log_every=2,
+            checkpoints=ckpt,
+            callbacks=[SignalAt(6, times=2)],
+        )
     err = caught.value
     assert int(err.train_state.step) == 6
     assert any("state = err.train_state" in note for note in err.__notes__)
@@ -291,7 +315,7 @@ def test_outside_the_main_thread_no_handler_is_installed():
     thread = threading.Thread(
         target=lambda: out.update(
             result=run(num_steps=4, log_every=2, callbacks=[look])
-        )  # fmt: skip
+        )
     )
     thread.start()
     thread.join()
@@ -336,13 +360,15 @@ def test_accumulate_skips_the_calls_after_a_stop_request():
 
 
 def test_sigterm_preempts_saves_synchronously_and_resumes_exactly(tmp_path, capsys):
-    opts = dict(num_steps=24, log_every=4, eval_step=EVAL, eval_data=EVAL_DATA,
-                eval_every=8)  # fmt: skip
+    opts = dict(
+        num_steps=24, log_every=4, eval_step=EVAL, eval_data=EVAL_DATA, eval_every=8
+    )
     whole, _ = run(run_dir=tmp_path / "whole", **opts)
     ckpt = Checkpoints(tmp_path / "c", every_steps=8)
     data = SignalingBatches(at=10, sig=signal.SIGTERM)
-    state, history = run(data=data, checkpoints=ckpt, run_dir=tmp_path / "run",
-                         prefetch=0, **opts)  # fmt: skip
+    state, history = run(
+        data=data, checkpoints=ckpt, run_dir=tmp_path / "run", prefetch=0, **opts
+    )
     assert history.stop_reason == "preempted"
     assert int(state.step) == 10 and ckpt.steps() == [8, 10]
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
@@ -358,8 +384,9 @@ def test_sigterm_preempts_saves_synchronously_and_resumes_exactly(tmp_path, caps
     # Exact: every record but the two around the stop is the uninterrupted one,
     # and those two together hold the steps of its record at 12.
     around = [r for r in got if r["step"] in (10, 12) and r["split"] == "train"]
-    assert [r for r in got if r not in around] == [r for r in want if r["step"] != 12
-                                                   or r["split"] != "train"]  # fmt: skip
+    assert [r for r in got if r not in around] == [
+        r for r in want if r["step"] != 12 or r["split"] != "train"
+    ]
     (at12,) = [r for r in want if r["step"] == 12 and r["split"] == "train"]
     mean = (2 * around[0]["metrics"]["loss"] + 2 * around[1]["metrics"]["loss"]) / 4
     np.testing.assert_allclose(mean, at12["metrics"]["loss"], rtol=1e-6)
@@ -372,9 +399,13 @@ def test_preempt_on_other_signals(tmp_path):
 
     look = Look()
     ckpt = Checkpoints(tmp_path)
-    state, history = run(num_steps=8, log_every=2, checkpoints=ckpt,
-                         callbacks=[look, SignalAt(4, signal.SIGUSR1)],
-                         preempt_on=["SIGUSR1"])  # fmt: skip
+    state, history = run(
+        num_steps=8,
+        log_every=2,
+        checkpoints=ckpt,
+        callbacks=[look, SignalAt(4, signal.SIGUSR1)],
+        preempt_on=["SIGUSR1"],
+    )
     assert history.stop_reason == "preempted" and int(state.step) == 4
     assert look.sigterm == signal.SIG_DFL  # not asked for: left alone
     assert ckpt.steps() == [4]
@@ -384,10 +415,18 @@ def test_preempt_on_other_signals(tmp_path):
 
 
 def test_a_signal_during_an_evaluation_cuts_it_short_and_resume_does_it(tmp_path):
-    opts = dict(num_steps=16, log_every=4, eval_step=EVAL, eval_every=8,
-                checkpoints=Checkpoints(tmp_path / "c", every_steps=100))  # fmt: skip
-    whole, _ = run(run_dir=tmp_path / "whole", eval_data=EVAL_DATA, **{
-        k: v for k, v in opts.items() if k != "checkpoints"})  # fmt: skip
+    opts = dict(
+        num_steps=16,
+        log_every=4,
+        eval_step=EVAL,
+        eval_every=8,
+        checkpoints=Checkpoints(tmp_path / "c", every_steps=100),
+    )
+    whole, _ = run(
+        run_dir=tmp_path / "whole",
+        eval_data=EVAL_DATA,
+        **{k: v for k, v in opts.items() if k != "checkpoints"},
+    )
     calls = []
 
     def slow_eval_data():
@@ -406,8 +445,7 @@ def test_a_signal_during_an_evaluation_cuts_it_short_and_resume_does_it(tmp_path
     assert [r["split"] for r in history.records] == ["train", "train"]  # no eval
     meta = pztrain.read_metadata(tmp_path / "c" / "8")["metadata"]
     assert meta["owed_eval"] == {"step": 8, "epoch": 0}
-    resumed, _ = run(eval_data=EVAL_DATA, resume=True, run_dir=tmp_path / "run",
-                     **opts)  # fmt: skip
+    resumed, _ = run(eval_data=EVAL_DATA, resume=True, run_dir=tmp_path / "run", **opts)
     assert_same_state(resumed, whole)
     assert without_time(read_jsonl(tmp_path / "run")) == without_time(
         read_jsonl(tmp_path / "whole")
@@ -477,7 +515,7 @@ def bad_eval(*, model, state, rng, x, y):
             ),
             ValueError,
             6,
-        ),  # fmt: skip
+        ),
     ],
     ids=["callback", "on_train_end", "logger", "eval_fn"],
 )
@@ -529,8 +567,13 @@ def test_the_lock_holds_a_record_and_goes_away(tmp_path):
             self.run = json.loads((tmp_path / "r" / ".pztrain.lock").read_text())
 
     look = Look()
-    run(num_steps=4, log_every=2, callbacks=[look], checkpoints=Checkpoints(
-        tmp_path / "c"), run_dir=tmp_path / "r")  # fmt: skip
+    run(
+        num_steps=4,
+        log_every=2,
+        callbacks=[look],
+        checkpoints=Checkpoints(tmp_path / "c"),
+        run_dir=tmp_path / "r",
+    )
     for record in (look.ckpt, look.run):
         assert record["pid"] == os.getpid() and set(record) >= {"host", "started"}
     assert not (tmp_path / "c" / ".pztrain.lock").exists()
@@ -545,22 +588,31 @@ def test_a_second_run_in_the_same_directory_is_refused(tmp_path):
                 match=re.escape(
                     f"{tmp_path / 'r'} is in use by another run: this "
                     "process (another fit running in it)"
-                ),  # fmt: skip
+                ),
             ):
                 run(num_steps=4, run_dir=tmp_path / "r")
             with pytest.raises(pztrain.DirectoryInUseError, match="Two runs writing"):
                 run(num_steps=4, checkpoints=Checkpoints(tmp_path / "c"))
 
-    run(num_steps=2, log_every=2, callbacks=[Nested()], run_dir=tmp_path / "r",
-        checkpoints=Checkpoints(tmp_path / "c"))  # fmt: skip
+    run(
+        num_steps=2,
+        log_every=2,
+        callbacks=[Nested()],
+        run_dir=tmp_path / "r",
+        checkpoints=Checkpoints(tmp_path / "c"),
+    )
 
 
 def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path):
     import subprocess
     import sys
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     pid = int(dead.stdout)
     (tmp_path / "c").mkdir()
     record = {"host": os.uname().nodename, "pid": pid, "started": "then"}
@@ -574,6 +626,7 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path):
 
 
 def test_run_dir_equal_to_the_checkpoint_directory_is_locked_once(tmp_path):
-    _, history = run(num_steps=4, log_every=2, run_dir=tmp_path,
-                     checkpoints=Checkpoints(tmp_path))  # fmt: skip
+    _, history = run(
+        num_steps=4, log_every=2, run_dir=tmp_path, checkpoints=Checkpoints(tmp_path)
+    )
     assert [r["step"] for r in history.records] == [2, 4]
