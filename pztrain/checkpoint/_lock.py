@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,7 +95,7 @@ class DirectoryLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read(fd)
+                holder = _holder_record(fd)
                 os.close(fd)
                 raise DirectoryInUseError(
                     f"{self.directory} is in use by another run: "
@@ -145,6 +146,17 @@ def locked(*directories: str | os.PathLike | None) -> Iterator[None]:
                 "run (its error names the holder)."
             )
         yield
+
+
+def _holder_record(fd: int, patience: float = 1.0) -> dict[str, Any] | None:
+    """The record of a held lock; a holder that has just taken it gets up to
+    ``patience`` seconds to write it."""
+    deadline = time.monotonic() + patience
+    record = _read(fd)
+    while record is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+        record = _read(fd)
+    return record
 
 
 def _same_file(fd: int, path: Path) -> bool:
