@@ -420,7 +420,7 @@ def test_a_signal_during_an_evaluation_cuts_it_short_and_resume_does_it(tmp_path
         log_every=4,
         eval_step=EVAL,
         eval_every=8,
-        checkpoints=Checkpoints(tmp_path / "c", every_steps=100),
+        checkpoints=Checkpoints(tmp_path / "c", every_steps=8),  # saves at 8 too
     )
     whole, _ = run(
         run_dir=tmp_path / "whole",

@@ -216,6 +216,7 @@ def _train(state: TrainState, run: _Run) -> TrainState:
                 state, stop = _first(stop, *run.evaluation(state, step, epoch))
                 last_eval = step
             epoch = s.next_epoch(step, epoch) if ended else epoch
+            stop = stop or _signalled(flag)  # one during this point: it ends below
             if stop is None and not s.done(step, epoch):  # the last point ends below
                 state, stop = _first(stop, *hooks.run("on_point_end", state, step))
         if last_log != step:  # a stretch cut short by a stop, or the end
