@@ -246,9 +246,11 @@ def test_a_second_sigint_during_the_stop_save_leaves_the_older_checkpoints(
 ):
     ckpt = Checkpoints(tmp_path, every_steps=4)
     real_save = Writer.save
+    stop_saves = []
 
     def interrupted_save(self, step, args, *, wait):
         if step == 6:  # the stop save: a second Ctrl-C while it writes
+            stop_saves.append(wait)
             kill_self()
         return real_save(self, step, args, wait=wait)
 
@@ -256,6 +258,7 @@ def test_a_second_sigint_during_the_stop_save_leaves_the_older_checkpoints(
     with pytest.raises(KeyboardInterrupt):
         run(num_steps=16, log_every=2, checkpoints=ckpt, callbacks=[SignalAt(6)])
     monkeypatch.undo()
+    assert stop_saves == [True]  # the first Ctrl-C led to a synchronous save
     assert Checkpoints(tmp_path).steps() == [4]
     resumed, _ = run(num_steps=16, log_every=2, checkpoints=ckpt, resume=True)
     assert_same_state(resumed, reference(16, log_every=2)[0])
