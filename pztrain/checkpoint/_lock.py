@@ -131,6 +131,9 @@ def locked(*directories: str | os.PathLike | None) -> Iterator[None]:
       DirectoryInUseError: if another run holds one of them.
     """
     paths = dict.fromkeys(Path(d).absolute() for d in directories if d is not None)
+    if not paths:
+        yield
+        return
     with contextlib.ExitStack() as stack:
         error = None
         if jax.process_index() == 0:
@@ -140,7 +143,7 @@ def locked(*directories: str | os.PathLike | None) -> Iterator[None]:
                         stack.enter_context(DirectoryLock(path))
             except DirectoryInUseError as e:
                 error = e
-        if paths and not all_agree(error is None):
+        if not all_agree(error is None):
             raise error or DirectoryInUseError(
                 f"Process 0 found {', '.join(map(str, paths))} in use by another "
                 "run (its error names the holder)."

@@ -191,39 +191,37 @@ def stop_signals(preempt_on: Iterable[signal.Signals] = ()) -> Iterator[StopFlag
     Inside another run's handlers (``evaluate`` in a callback), installs
     nothing and yields a flag that stays down: the outer run stops after.
     """
-    if _inside_a_run():
-        yield StopFlag()
-        return
+    sigint = signal.getsignal(signal.SIGINT)
     agreed = _jax_owns_sigterm()
-    if jax.process_count() > 1 and not agreed:
-        yield StopFlag()  # no way to agree on a step: signals act as before
+    if isinstance(sigint, _Handler) or (not agreed and _several_processes()):
+        yield StopFlag()  # inside a run; or no way to agree: signals act as before
         return
     flag = AgreedFlag() if agreed else LocalFlag()
-    wanted = [
-        signal.SIGINT,
-        *(s for s in preempt_on if not (agreed and s == signal.SIGTERM)),
-    ]
-    installed = _install(flag, wanted)
+    wanted = [s for s in preempt_on if not (agreed and s == signal.SIGTERM)]
+    installed = _install(flag, [(signal.SIGINT, sigint)], wanted)
     try:
         yield flag
     finally:
         for sig, handler in installed:
-            if signal.getsignal(sig) is handler:
-                signal.signal(sig, handler.previous)
+            replaced = signal.signal(sig, handler.previous)
+            if replaced is not handler:  # another came meanwhile: it stays
+                signal.signal(sig, replaced)
 
 
-def _inside_a_run() -> bool:
-    return isinstance(signal.getsignal(signal.SIGINT), _Handler)
+def _several_processes() -> bool:
+    return jax.distributed.is_initialized() and jax.process_count() > 1
 
 
-def _install(flag: StopFlag, sigs: list[signal.Signals]) -> list[tuple[Any, _Handler]]:
-    """Handlers for ``sigs`` that Python handles (not ignored, not a handler
-    installed outside Python), in the main thread; none elsewhere."""
+def _install(
+    flag: StopFlag, known: list[tuple[Any, Any]], sigs: list[signal.Signals]
+) -> list[tuple[Any, _Handler]]:
+    """Handlers for the signals of ``known`` (with their current handlers) and
+    ``sigs`` that Python handles (not ignored, not a handler installed outside
+    Python), in the main thread; none elsewhere."""
     if threading.current_thread() is not threading.main_thread():
         return []
     installed = []
-    for sig in sigs:
-        previous = signal.getsignal(sig)
+    for sig, previous in [*known, *((s, signal.getsignal(s)) for s in sigs)]:
         if previous is None or previous == signal.SIG_IGN:
             continue
         handler = _Handler(flag, sig, previous)
