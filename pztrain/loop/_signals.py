@@ -120,6 +120,9 @@ class StopFlag:
 class LocalFlag(StopFlag):
     """A stop request of this process alone: set by its signal handler."""
 
+    def __init__(self) -> None:
+        self.requested = self.stopped = False  # read from the instance: fastest
+
     def signalled(self, sig: signal.Signals) -> None:
         super().signalled(sig)
         self.requested = self.stopped = True
