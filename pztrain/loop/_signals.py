@@ -136,12 +136,15 @@ class AgreedFlag(StopFlag):
     point, asked at each read of ``requested`` (every process reads it at the
     same calls and batches, so the count matches)."""
 
+    def __init__(self) -> None:
+        from jax.experimental import multihost_utils
+
+        self._reached = multihost_utils.reached_preemption_sync_point
+
     @property
     def requested(self) -> bool:  # type: ignore[override]
         if not self.stopped:
-            from jax.experimental import multihost_utils
-
-            self.stopped = multihost_utils.reached_preemption_sync_point(next(_CHECKS))
+            self.stopped = self._reached(next(_CHECKS))
         return self.stopped
 
     def signalled(self, sig: signal.Signals) -> None:
