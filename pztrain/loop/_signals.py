@@ -67,12 +67,12 @@ def check_signals(names: Any) -> tuple[signal.Signals, ...]:
 
 
 def _one_signal(name: Any) -> signal.Signals:
-    known = sorted(
-        s.name for s in signal.valid_signals() if isinstance(s, signal.Signals)
-    )
     try:
         sig = signal.Signals[name] if isinstance(name, str) else signal.Signals(name)
     except (KeyError, ValueError):
+        known = sorted(
+            s.name for s in signal.valid_signals() if isinstance(s, signal.Signals)
+        )
         raise ValueError(
             f"preempt_on: unknown signal {name!r}. Name one of {', '.join(known)}."
         ) from None
