@@ -112,7 +112,9 @@ class History:
 
     Attributes:
       records: The records.
-      stop_reason: Why the run ended early, or ``None``.
+      stop_reason: Why the run ended early, or ``None``: a `Stop`'s reason,
+        ``"interrupted"`` (SIGINT) or ``"preempted"`` (a preemption signal),
+        or that the training data ran out.
     """
 
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)

@@ -10,6 +10,7 @@ loading runs no code (the structure comes from a target built in code).
 * `pztrain.checkpoint._targets`: where loaded arrays go;
 * `pztrain.checkpoint._rebuild`: `load_from_checkpoint`;
 * `pztrain.checkpoint._directory`: a `Checkpoints` directory on disk;
+* `pztrain.checkpoint._lock`: one run per directory;
 * `pztrain.checkpoint._callback`: the `Checkpoints` callback.
 """
 
@@ -22,6 +23,7 @@ from pztrain.checkpoint._format import (
     save_params,
     save_state,
 )
+from pztrain.checkpoint._lock import DirectoryInUseError
 from pztrain.checkpoint._metadata import (
     CheckpointError,
     CheckpointMismatchError,
@@ -33,6 +35,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "Checkpoints",
+    "DirectoryInUseError",
     "export_safetensors",
     "import_safetensors",
     "load_from_checkpoint",

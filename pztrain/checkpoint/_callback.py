@@ -9,6 +9,7 @@ directory's rules (writable, tidy, one readable checkpoint) are
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from pztrain._tree import all_finite
 from pztrain.callbacks import Callback
 from pztrain.checkpoint import _directory, _format
 from pztrain.checkpoint._due import SavePoints
+from pztrain.checkpoint._lock import locked
 from pztrain.checkpoint._metadata import CheckpointError
 from pztrain.checkpoint._retention import Retention
 from pztrain.checkpoint._targets import params_of
@@ -90,6 +92,7 @@ class Checkpoints(Callback):
         self.writer = Writer(self.directory, async_save)
         self.overwrite = overwrite
         self._open = 0  # nesting depth of with-blocks (fit opens one)
+        self._lock = contextlib.ExitStack()  # the directory's, from prepare to close
         self._new_run()
 
     # The settings, as the arguments named them.
@@ -114,6 +117,7 @@ class Checkpoints(Callback):
         self._saves = self._ranked = 0  # saves this run, and those with monitor
         self._running = False  # between on_train_start and on_train_end
         self.continues_run = False  # see prepare
+        self.owed_eval: tuple[int, int] | None = None  # see restore_latest
 
     @property
     def manager(self) -> Any:
@@ -156,6 +160,17 @@ class Checkpoints(Callback):
             ``overwrite``), or this or an earlier save failed.
           DonatedStateError: if a train step consumed ``state``.
         """
+        self._save(state, step, metrics, wait=not self._open)
+
+    def _save(
+        self,
+        state: TrainState,
+        step: int,
+        metrics: dict | None,
+        *,
+        wait: bool,
+        owed_eval: tuple[int, int] | None = None,
+    ) -> None:
         check_alive(state, "Checkpoints.save", "the arrays of this TrainState")
         self.wait()  # the previous save first: its error names its step
         self.points.saved(step)
@@ -164,18 +179,44 @@ class Checkpoints(Callback):
                 f"Not saving checkpoint {step} in {self.directory}: its params are "
                 "not finite (NaN or inf). The newest checkpoint stays "
                 f"{max(self.steps(), default=None)}.",
-                stacklevel=2,
+                stacklevel=3,
             )
             return
         self._make_room(step)
         params = params_of(state)
-        args = _format.save_args(params, state, self._metadata(state, metrics))
+        meta = self._metadata(state, metrics)
+        if owed_eval is not None:
+            meta["owed_eval"] = {"step": owed_eval[0], "epoch": owed_eval[1]}
+        args = _format.save_args(params, state, meta)
         self._metrics[step] = metrics
         self._saves += 1
         self._ranked += metrics is not None and self.monitor in metrics
-        self.writer.save(step, args, wait=not self._open)
-        if not self._open:
+        self.writer.save(step, args, wait=wait)
+        if wait:
             self._tidy()
+
+    def save_stopped(
+        self, state: TrainState, step: int, owed_eval: tuple[int, int] | None = None
+    ) -> Path | None:
+        """Saves the step a run stopped at (`pztrain.fit` calls it after a
+        signal), synchronously, once the pending saves are on disk.
+
+        Args:
+          state: The state at ``step``.
+          step: The step.
+          owed_eval: ``(step, epoch)`` of an evaluation that the stop skipped or
+            cut short: stored, so that the resumed run does it first.
+
+        Returns:
+          The checkpoint of ``step`` (saved now or before), or ``None`` if there
+          is none (a run stopped where it started, or params not finite).
+        """
+        self.wait()
+        if step != self.points.last_done:
+            self._save(
+                state, step, self._metrics_at(step), wait=True, owed_eval=owed_eval
+            )
+        return self.directory / str(step) if step in self.steps() else None
 
     def _metadata(self, state: TrainState, metrics: dict | None) -> dict[str, Any]:
         meta = {"callbacks": self._callback_states(), "hparams": self._hparams}
@@ -226,11 +267,15 @@ class Checkpoints(Callback):
             self.writer.delete(self.retention.delete(self._saved()))
 
     def close(self) -> None:
-        """Finishes pending saves and releases the manager (even if one failed)."""
+        """Finishes pending saves and releases the manager (even if one failed)
+        and the directory's lock."""
         try:
             self.wait()
         finally:
-            self.writer.close()
+            try:
+                self.writer.close()
+            finally:
+                self._lock.close()
 
     # -- the start of a run
 
@@ -239,7 +284,8 @@ class Checkpoints(Callback):
     ) -> TrainState:
         """Starts a run from ``state`` (`pztrain.fit` calls it before the first step).
 
-        Checks that the directory can be written. With ``resume``, returns
+        Takes the directory's lock (until `close`: one run writes it at a
+        time) and checks that it can be written. With ``resume``, returns
         `restore_latest` (or ``state``); without, the directory must hold no
         checkpoint (``overwrite=True`` deletes them when training starts).
         ``continues_run``: ``resume`` into a directory a run used (its log goes on).
@@ -248,11 +294,14 @@ class Checkpoints(Callback):
           CheckpointError: if the directory cannot be written or holds another
             run's checkpoints; `pztrain.CheckpointMismatchError` (see
             `restore_latest`).
+          DirectoryInUseError: if another run holds the directory's lock.
         """
         self.writer.failed = None
         self.writer.wait()  # a save still pending from a run before (its error)
         self._new_run()
         self.continues_run = resume and self.directory.is_dir()  # maybe killed early
+        self._lock.close()
+        self._lock.enter_context(locked(self.directory))
         _directory.check_writable(self.directory)
         if resume:
             return self.restore_latest(state, callbacks) or state
@@ -282,6 +331,8 @@ class Checkpoints(Callback):
 
         Returns:
           The restored state, or ``None`` if there is no readable checkpoint.
+          ``owed_eval`` then holds the evaluation that a stop left undone at
+          its step (see `save_stopped`), or ``None``.
 
         Raises:
           CheckpointMismatchError: if a readable checkpoint's structure differs
@@ -298,6 +349,7 @@ class Checkpoints(Callback):
         if found.state is None:
             return None
         self.points.saved(found.step)
+        self.owed_eval = found.owed_eval
         for i, cb in enumerate(callbacks):
             if f"{i}:{type(cb).__name__}" in found.callbacks:
                 cb.load_state_dict(found.callbacks[f"{i}:{type(cb).__name__}"])

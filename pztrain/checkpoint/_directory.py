@@ -98,6 +98,9 @@ class Found(NamedTuple):
       callbacks: The callbacks' ``state_dict`` s saved with it.
       unreadable: The newer steps that could not be read.
       metrics: The metrics stored with each readable checkpoint, by step.
+      owed_eval: The ``(step, epoch)`` of an evaluation that a stop left
+        undone before it was saved (the resumed run does it first), or
+        ``None``.
     """
 
     state: TrainState | None
@@ -105,6 +108,7 @@ class Found(NamedTuple):
     callbacks: dict[str, Any]
     unreadable: list[int]
     metrics: dict[int, dict[str, float] | None]
+    owed_eval: tuple[int, int] | None = None
 
 
 def newest_readable(directory: Path, steps: list[int], like: TrainState) -> Found:
@@ -126,7 +130,8 @@ def newest_readable(directory: Path, steps: list[int], like: TrainState) -> Foun
             metrics = {s: _stored_metrics(directory / str(s)) for s in older}
             metrics[step] = found[1].get("metrics")
             callbacks = found[1].get("callbacks", {})
-            return Found(found[0], step, callbacks, unreadable, metrics)
+            owed = _owed_eval(found[1].get("owed_eval"), step)
+            return Found(found[0], step, callbacks, unreadable, metrics, owed)
         unreadable.append(step)
     return Found(None, None, {}, unreadable, {})
 
@@ -141,6 +146,15 @@ def _read(path: Path, like: TrainState) -> tuple[TrainState, dict[str, Any]] | N
         raise
     except CheckpointError as e:
         warnings.warn(f"Skipping unreadable checkpoint {path}: {e}", stacklevel=5)
+    return None
+
+
+def _owed_eval(stored: Any, step: int) -> tuple[int, int] | None:
+    """The owed evaluation stored with checkpoint ``step`` (of that step)."""
+    if isinstance(stored, dict) and stored.get("step") == step:
+        epoch = stored.get("epoch")
+        if isinstance(epoch, int) and not isinstance(epoch, bool):
+            return step, epoch
     return None
 
 

@@ -6,6 +6,8 @@
 * `pztrain.loop._hooks`: the callbacks as one ordered list, and the loop's one way
   to read the device;
 * `pztrain.loop._reporting`: log and eval records, read late when nothing waits;
+* `pztrain.loop._signals`: signals as a stop request read between calls;
+* `pztrain.loop._stops`: what a run leaves when it ends early;
 * `pztrain.loop._fit`: `fit` itself, and the loop over stretches of steps.
 """
 

@@ -13,6 +13,7 @@ from pztrain.callbacks import Callback, ProgressBar
 from pztrain.checkpoint import Checkpoints
 from pztrain.loggers import Logger
 from pztrain.loop._schedule import check_eval_every_epochs
+from pztrain.loop._signals import check_signals
 from pztrain.loop._sources import check_epochs
 from pztrain.state import TrainState
 from pztrain.step import EvalStep, TrainStep
@@ -24,7 +25,8 @@ __all__ = ["FitArguments"]
 class FitArguments:
     """The arguments of one `pztrain.fit` call (see its docstring), checked.
 
-    ``callbacks`` becomes a list, ``loggers`` a list or ``None``.
+    ``callbacks`` becomes a list, ``loggers`` a list or ``None``, ``preempt_on``
+    a tuple of `signal.Signals`.
 
     Raises:
       TypeError: for an argument of the wrong type (named in the message).
@@ -50,6 +52,7 @@ class FitArguments:
     checkpoints: Checkpoints | None = None
     resume: bool = False
     peak_flops: float | None = None
+    preempt_on: Any = ("SIGTERM",)
 
     def __post_init__(self) -> None:
         _check_parts(
@@ -82,6 +85,7 @@ class FitArguments:
             )
         self.callbacks = _checked_callbacks(self.callbacks)
         self.loggers = _checked_loggers(self.loggers)
+        self.preempt_on = check_signals(self.preempt_on)
 
     @property
     def evaluates(self) -> bool:

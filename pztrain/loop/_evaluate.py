@@ -12,10 +12,11 @@ from pztrain._tree import named_leaves
 from pztrain.data import ArrayLoader, put_batch
 from pztrain.data._batch import BatchError, check_batch
 from pztrain.loop._hooks import host_reads
+from pztrain.loop._signals import StopFlag, stop_signals
 from pztrain.state import TrainState
 from pztrain.step import EvalStep
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "evaluate_until"]
 
 
 @jax.jit
@@ -43,10 +44,28 @@ def evaluate(state: TrainState, eval_step: EvalStep, data: Iterable[Any]) -> dic
 
     Raises:
       BatchError: for an empty ``data`` or a bad batch.
+      KeyboardInterrupt: at the batch after a SIGINT (in the main thread; see
+        `pztrain.fit` for signals).
     """
+    with stop_signals() as flag:
+        values = evaluate_until(state, eval_step, data, flag)
+    if values is None:
+        raise KeyboardInterrupt(
+            "evaluate was interrupted between two batches; nothing changed (the "
+            "state is not consumed by an evaluation)."
+        )
+    return values
+
+
+def evaluate_until(
+    state: TrainState, eval_step: EvalStep, data: Iterable[Any], flag: StopFlag
+) -> dict | None:
+    """`evaluate`, or ``None`` if ``flag`` asks to stop before a batch."""
     sums, total = None, 0
     sharding = data.batch_sharding() if isinstance(data, ArrayLoader) else None
     for batch in data:
+        if flag.requested:
+            return None
         check_batch(batch)
         if sharding is not None:  # this process's rows of a global batch
             batch = put_batch(batch, sharding)

@@ -22,15 +22,18 @@ import jax
 
 from pztrain.callbacks import Callback, ProgressBar
 from pztrain.checkpoint import Checkpoints
+from pztrain.checkpoint._lock import locked
 from pztrain.data import ArrayLoader
 from pztrain.loggers import JsonlLogger, Logger
 from pztrain.loop._arguments import FitArguments
-from pztrain.loop._evaluate import evaluate
+from pztrain.loop._evaluate import evaluate_until
 from pztrain.loop._hooks import Hooks, RecordLog, host_reads
 from pztrain.loop._reporting import Reporter
 from pztrain.loop._resources import check_memory, peak_flops, step_devices
 from pztrain.loop._schedule import Schedule, run_end
+from pztrain.loop._signals import StopFlag, stop_signals
 from pztrain.loop._sources import BatchSource, batch_source
+from pztrain.loop._stops import keep_state, stop_line
 from pztrain.records import History, LoopInfo, Stop
 from pztrain.state import TrainState
 from pztrain.step import EvalStep, TrainStep
@@ -59,54 +62,60 @@ def fit(
     checkpoints: Checkpoints | None = None,
     resume: bool = False,
     peak_flops: float | None = None,
+    preempt_on: Sequence[str] = ("SIGTERM",),
 ) -> tuple[TrainState, History]:
     """Trains ``state`` with ``train_step`` on ``train_data``.
+
+    Ctrl-C or a ``preempt_on`` signal stops it before the next call, saved, with
+    ``stop_reason`` "interrupted" or "preempted"; errors keep ``err.train_state``.
 
     Args:
       state: The state to start from; training continues from ``state.step``.
       train_step: From `pztrain.build_train_step`.
-      train_data: An `ArrayLoader` (its position follows the step) or any
-        iterable of batch dicts (re-iterable: one epoch per pass; a one-shot
-        iterator ends the run when it runs out).
+      train_data: An `ArrayLoader` (its position follows the step) or batch
+        dicts (one epoch per pass; a one-shot iterator ends when it runs out).
       num_steps: Train until ``state.step == num_steps`` (a total).
       num_epochs: Train until this many epochs are done (not a generator's).
       eval_step: From `pztrain.build_eval_step`, with ``eval_data``.
       eval_data: The data for `pztrain.evaluate`.
       eval_every: Steps between evaluations (default: each epoch end, or the end).
-      eval_every_epochs: Evaluate every this many epochs (and at the end).
+      eval_every_epochs: Evaluate at every this many epoch ends (and the end).
       log_every: Steps between log points (a multiple of ``steps_per_call``).
       callbacks: `pztrain.Callback` s, run in this order at each point.
-      loggers: Added to the default `pztrain.JsonlLogger` of ``run_dir``
-        (``loggers=[]``: none); on process 0 only, as the progress bar.
-      run_dir: The run directory for the default logger: its log is continued
-        from the start step; a fresh run from step 0 refuses another run's.
+      loggers: Added to ``run_dir``'s `pztrain.JsonlLogger` (``[]``: none).
+      run_dir: The default logger's directory (continued from the start step).
       hparams: Hyperparameters to log once, at the start.
-      progress: Show a `pztrain.ProgressBar` (or this one; none if
-        ``callbacks`` holds one).
+      progress: Show a `pztrain.ProgressBar` (needs tqdm), or this one.
       prefetch: Batches moved to the device ahead (0 turns it off).
-      checkpoints: A `pztrain.Checkpoints` that saves during the run; its saves
-        are finished when ``fit`` returns or raises.
+      checkpoints: A `pztrain.Checkpoints`; its saves finish before ``fit`` ends.
       resume: Continue from the newest complete checkpoint in ``checkpoints``:
         state, data position, log records and callback counters.
-      peak_flops: A device's peak FLOPs per second, for the records' ``mfu``
-        (known accelerators' without it: `pztrain.loop.PEAK_FLOPS`).
+      peak_flops: A device's peak FLOPs/s for ``mfu`` (`pztrain.loop.PEAK_FLOPS`).
+      preempt_on: Signals that preempt the run (``[]``: none).
 
     Returns:
       ``(state, history)``.
 
     Raises:
-      TypeError, ValueError: for a bad argument or option (named in the message).
+      TypeError, ValueError: A bad argument or option (named in the message).
+      DirectoryInUseError: Another run holds ``checkpoints`` or ``run_dir``.
     """
     return _fit(FitArguments(**locals()))
 
 
 def _fit(args: FitArguments) -> tuple[TrainState, History]:
-    """`fit` on checked arguments: prepare checkpoints, wire the run, train."""
+    """`fit` on checked arguments: the run's signal handlers, the run
+    directory's lock (`Checkpoints.prepare` takes its own), then checkpoints
+    prepared, the run wired and trained."""
     state, checkpoints = args.state, args.checkpoints
-    with checkpoints if checkpoints is not None else contextlib.nullcontext():
+    with (
+        stop_signals(args.preempt_on) as flag,
+        locked(_own_run_dir(args)),
+        checkpoints if checkpoints is not None else contextlib.nullcontext(),
+    ):
         if checkpoints is not None:
             state = checkpoints.prepare(state, args.callbacks, resume=args.resume)
-        run = _Run.wire(args, _schedule(state, args))
+        run = _Run.wire(args, _schedule(state, args), flag)
         return _train(state, run), run.history
 
 
@@ -121,12 +130,15 @@ class _Run:
     info: LoopInfo
     history: History
     reporter: Reporter
-    evaluate: Callable[[TrainState], dict[str, float]]
+    evaluate: Callable[..., dict[str, float] | None]
     clock: Callable[[], float]  # the reporter's too
     peak_flops: float | None  # per device, as given to fit
+    stops: StopFlag
+    checkpoints: Checkpoints | None
+    owed_eval: tuple[int, int] | None  # (step, epoch) a stop left unevaluated
 
     @classmethod
-    def wire(cls, args: FitArguments, schedule: Schedule) -> _Run:
+    def wire(cls, args: FitArguments, schedule: Schedule, stops: StopFlag) -> _Run:
         """The pieces of a run from ``schedule.start`` (after a resume)."""
         loggers, bar = _outputs(args, schedule.start)
         history = History()
@@ -142,30 +154,56 @@ class _Run:
             history=history,
             reporter=Reporter(hooks, clock, args.state, schedule.start),
             evaluate=functools.partial(
-                evaluate, eval_step=args.eval_step, data=args.eval_data
+                evaluate_until, eval_step=args.eval_step, data=args.eval_data
             ),
             clock=clock,
             peak_flops=args.peak_flops,
+            stops=stops,
+            checkpoints=args.checkpoints,
+            owed_eval=None if args.checkpoints is None else args.checkpoints.owed_eval,
         )
 
     def evaluation(self, state: TrainState, step: int, epoch: int):
-        """Evaluates ``state`` and runs the eval hooks: ``(state, stop)``."""
-        values = self.evaluate(state)
+        """Evaluates ``state`` and runs the eval hooks: ``(state, stop)``. An
+        evaluation that a stop skips or cuts short is owed (`Reporter.owed`)."""
+        flag = self.stops
+        values = None if flag.stopped else self.evaluate(state, flag=flag)
         return self.reporter.evaluation(state, values, step, epoch)
+
+    def owed_evaluation(self, state: TrainState) -> tuple[TrainState, Stop | None]:
+        """The evaluation of the start step that a stop left undone, and the
+        end of its point."""
+        step, epoch = self.owed_eval
+        state, stop = self.evaluation(state, step, epoch)
+        return _first(stop, *self.hooks.run("on_point_end", state, step))
+
+    def stopped(self, state: TrainState, step: int) -> None:
+        """After a stop by a signal at ``step``: its checkpoint (synchronous,
+        after the pending saves), and one line that says so (process 0)."""
+        saved = None
+        if self.checkpoints is not None:
+            saved = self.checkpoints.save_stopped(state, step, self.reporter.owed)
+        if jax.process_index() == 0:
+            print(stop_line(self.stops, step, saved), flush=True)
 
 
 def _train(state: TrainState, run: _Run) -> TrainState:
-    """The loop: stretches of steps, each ended by a host point."""
-    s, hooks, reporter = run.schedule, run.hooks, run.reporter
+    """The loop: stretches of steps, each ended by a host point. A stop by a
+    signal ends it like a `Stop`, then saves; an error keeps the newest state."""
+    s, hooks, reporter, flag = run.schedule, run.hooks, run.reporter, run.stops
     step, epoch, sums, stop = s.start, s.epoch_at(s.start), None, None
     last_log = last_eval = step
     try:
         state, stop = hooks.run("on_train_start", state, run.info)
+        if run.owed_eval is not None:
+            state, stop = _first(stop, *run.owed_evaluation(state))
+            last_eval = step
         wish = hooks.advance(step, run.clock())
         while stop is None and not s.done(step, epoch):
             ran, stop_at = 0, s.next_point(step, wish)
             for done in _stretch(run, state, sums, step, stop_at):
                 state, sums, ran = done  # after each call: an error keeps it
+            stop = stop or _signalled(flag)
             if not ran:
                 break
             step += ran
@@ -181,31 +219,51 @@ def _train(state: TrainState, run: _Run) -> TrainState:
                 state, stop = _first(stop, *run.evaluation(state, step, epoch))
                 last_eval = step
             epoch = s.next_epoch(step, epoch) if ended else epoch
+            stop = stop or _signalled(flag)  # one during this point: it ends below
             if stop is None and not s.done(step, epoch):  # the last point ends below
                 state, stop = _first(stop, *hooks.run("on_point_end", state, step))
-        if last_log != step:
+        if last_log != step:  # a stretch cut short by a stop, or the end
             state, stop = _first(stop, *reporter.log(state, sums, step, epoch))
         state, stop = _first(stop, *reporter.flush(state))
-        if stop is None and s.evaluates and last_eval != step:
+        at_end = stop is None or (flag.stopped and s.done(step, epoch))
+        if at_end and s.evaluates and last_eval != step:
             state, stop = _first(stop, *run.evaluation(state, step, epoch))
+        stop = stop or _signalled(flag)
+        if flag.stopped:
+            run.stopped(state, step)
         state, stop = _first(stop, *hooks.run("on_point_end", state, step))
         run.history.stop_reason = _stop_reason(stop, run.source) or s.nothing_left()
+    except BaseException as e:
+        keep_state(e, state)
+        raise
     finally:
         _end(state, run)
     return state
 
 
 def _stretch(run: _Run, state, sums, step: int, stop_at: float):
-    """Runs the calls from ``step`` to ``stop_at``; after each batch, yields
-    ``(state, sums, steps run so far)``."""
-    ran, k = 0, run.schedule.steps_per_call
+    """Runs the calls from ``step`` to ``stop_at``, each only if no stop is
+    requested before it; after each batch, yields ``(state, sums, steps run
+    so far)``."""
+    ran, k, flag = 0, run.schedule.steps_per_call, run.stops
     for batch, calls in run.source.stretch(step, stop_at):
+        if flag.requested:  # read once before each call (the step's too)
+            return
         if sums is None:
             sums = run.train_step.metric_sums(state, batch)
             run.reporter.note_batch(batch, k)
             _note_cost(run, state, batch)
-        state, sums = run.train_step.accumulate(state, sums, batch, calls=calls)
-        ran += calls * k
+        if calls == 1:
+            state, sums = run.train_step.accumulate(state, sums, batch)
+            ran += k
+        else:  # the step reads the flag before each of its calls
+            state, sums = run.train_step.accumulate(
+                state, sums, batch, calls=calls, stop_flag=flag
+            )
+            ran += calls * k
+            if flag.stopped:  # it may have skipped some
+                with host_reads():
+                    ran = int(state.step) - step
         yield state, sums, ran
 
 
@@ -227,8 +285,15 @@ def _end(state: TrainState, run: _Run) -> None:
     try:
         with contextlib.suppress(Exception):  # the error being raised matters more
             run.reporter.flush(state)  # (after a normal end, nothing is left)
-    finally:
         run.hooks.end(state, run.history)
+    except BaseException as e:
+        keep_state(e, state)
+        raise
+
+
+def _signalled(flag: StopFlag) -> Stop | None:
+    """The `Stop` of a stop by a signal, if one came."""
+    return Stop(flag.reason) if flag.stopped else None
 
 
 def _first(stop: Stop | None, state: TrainState, new_stop: Stop | None):
@@ -262,6 +327,15 @@ def _schedule(state: TrainState, args: FitArguments) -> Schedule:
     if idle is not None and not args.resume:
         warnings.warn(f"fit: {idle}.", UserWarning, stacklevel=4)
     return schedule
+
+
+def _own_run_dir(args: FitArguments) -> str | os.PathLike | None:
+    """``run_dir``, unless it is the checkpoint directory (locked by it)."""
+    ckpt = args.checkpoints
+    if args.run_dir is None or ckpt is None:
+        return args.run_dir
+    same = os.path.abspath(args.run_dir) == str(ckpt.directory)
+    return None if same else args.run_dir
 
 
 def _outputs(args: FitArguments, start: int) -> tuple[list[Logger], list]:

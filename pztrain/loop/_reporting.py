@@ -71,6 +71,7 @@ class Reporter:
         self.batch_size: int | None = None
         self.flops_per_step: float | None = None  # from the compiled step
         self.peak_flops: float | None = None  # all devices together, per second
+        self.owed: tuple[int, int] | None = None  # see evaluation
 
     def note_batch(self, batch: Any, steps_per_call: int) -> None:
         """Takes the batch size (examples per step) from a batch's shapes (no
@@ -114,10 +115,15 @@ class Reporter:
         return (state, None) if point is None else self._emit(state, point)
 
     def evaluation(
-        self, state: TrainState, values: dict[str, float], step: int, epoch: int
+        self, state: TrainState, values: dict[str, float] | None, step: int, epoch: int
     ) -> tuple[TrainState, Stop | None]:
-        """An eval point, after the train records before it."""
+        """An eval point, after the train records before it. ``values=None``:
+        an evaluation that a stop skipped or cut short, owed (``owed`` holds
+        its step and epoch; no record, no hooks)."""
         state, stop = self.flush(state)
+        if values is None:
+            self.owed = (step, epoch)
+            return state, stop
         record = self._record("eval", step, epoch, values, self.clock())
         return _first(stop, *self.hooks.run("on_eval_end", state, record))
 

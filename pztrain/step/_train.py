@@ -53,6 +53,15 @@ FLAT_NAMES = (
 )
 
 
+class _GoOn:
+    """A stop flag that never asks to stop."""
+
+    requested = False
+
+
+_GO_ON = _GoOn()
+
+
 class TrainStep:
     """A built train step: ``train_step(state, **batch) -> (state, aux)``.
 
@@ -191,6 +200,7 @@ class TrainStep:
         /,
         *,
         calls: int = 1,
+        stop_flag: Any = None,
         **arrays: Any,
     ) -> tuple[TrainState, MetricSums]:
         """Like calling the step, but adds the metrics to on-device ``sums``.
@@ -207,6 +217,9 @@ class TrainStep:
           calls: Calls in a row (0: none); the arrays pass from one to the next
             and the state is built once. Each call takes its own step's batch
             from `OnDeviceBatches`; a dict batch is trained on ``calls`` times.
+          stop_flag: An object whose ``requested`` attribute is read once
+            before each call after the first: once true, the remaining calls
+            are skipped (the new state's ``step`` says how many ran).
           **arrays: The batch arrays.
 
         Returns:
@@ -214,10 +227,13 @@ class TrainStep:
         """
         if calls < 1:  # nothing to run (a stretch of no whole call)
             return state, sums
-        state, sums, _ = self._run(state, sums, _one_batch(batch, arrays), calls)
+        flag = _GO_ON if stop_flag is None else stop_flag
+        state, sums, _ = self._run(state, sums, _one_batch(batch, arrays), calls, flag)
         return state, sums
 
-    def _run(self, state: TrainState, sums: Any, batch: Any, calls: int):
+    def _run(
+        self, state: TrainState, sums: Any, batch: Any, calls: int, flag: Any = _GO_ON
+    ):
         """``calls`` calls of the jitted step: ``(new_state, sums, aux)``.
 
         The one hot path of every call, `accumulate` and `pztrain.fit`. On a
@@ -253,7 +269,7 @@ class TrainStep:
             raise_if_donated(state, err, "train_step(state, ...)")
             raise
         if calls > 1:
-            out = self._more_calls(step, out, found, batch, calls)
+            out = self._more_calls(step, out, found, batch, calls, flag)
         new = after_step(state, out)
         if out[5] is not None:  # the model's state variables changed
             rest = self._programs.rebuild(found, out[5], optimizer_def, root_rng)
@@ -261,9 +277,12 @@ class TrainStep:
         return new, out[4], out[6]
 
     @staticmethod
-    def _more_calls(step, out, found, batch, calls):
-        """Calls 2 to ``calls`` of `_run`: the arrays go from one to the next."""
+    def _more_calls(step, out, found, batch, calls, flag):
+        """Calls 2 to ``calls`` of `_run`: the arrays go from one to the next;
+        each only if ``flag.requested`` is false."""
         for _ in range(calls - 1):
+            if flag.requested:
+                break
             rest = found.rest if out[5] is None else out[5]
             out = step(*out[:5], found.key_data, rest, batch)
         return out
