@@ -11,9 +11,10 @@ from typing import Any
 
 from pztrain.callbacks import Callback, ProgressBar
 from pztrain.checkpoint import Checkpoints
+from pztrain.data._kinds import as_fit_data
 from pztrain.loggers import Logger
 from pztrain.loop._schedule import check_eval_every_epochs
-from pztrain.loop._sources import check_epochs
+from pztrain.loop._sources import check_epochs, data_callbacks
 from pztrain.state import TrainState
 from pztrain.step import EvalStep, TrainStep
 
@@ -24,7 +25,9 @@ __all__ = ["FitArguments"]
 class FitArguments:
     """The arguments of one `pztrain.fit` call (see its docstring), checked.
 
-    ``callbacks`` becomes a list, ``loggers`` a list or ``None``.
+    ``callbacks`` becomes a list (with the callback that keeps sequential train
+    data's iterator state last), ``loggers`` a list or ``None``; grain datasets
+    become the loop's kinds of data (`pztrain.data._kinds.as_fit_data`).
 
     Raises:
       TypeError: for an argument of the wrong type (named in the message).
@@ -51,6 +54,8 @@ class FitArguments:
     resume: bool = False
 
     def __post_init__(self) -> None:
+        self.train_data = as_fit_data(self.train_data, "train_data", train=True)
+        self.eval_data = as_fit_data(self.eval_data, "eval_data", train=False)
         _check_parts(
             self.state,
             self.train_step,
@@ -73,6 +78,7 @@ class FitArguments:
             self.eval_every_epochs, self.eval_every, self.eval_step is not None
         )
         self.callbacks = _checked_callbacks(self.callbacks)
+        self.callbacks += data_callbacks(self.train_data)  # after the user's
         self.loggers = _checked_loggers(self.loggers)
 
     @property

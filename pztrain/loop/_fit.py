@@ -22,7 +22,7 @@ import jax
 
 from pztrain.callbacks import Callback, ProgressBar
 from pztrain.checkpoint import Checkpoints
-from pztrain.data import ArrayLoader
+from pztrain.data import StepLoader
 from pztrain.loggers import JsonlLogger, Logger
 from pztrain.loop._arguments import FitArguments
 from pztrain.loop._evaluate import evaluate
@@ -40,7 +40,7 @@ __all__ = ["fit"]
 def fit(
     state: TrainState,
     train_step: TrainStep,
-    train_data: ArrayLoader | Iterable[Any],
+    train_data: StepLoader | Iterable[Any],
     *,
     num_steps: int | None = None,
     num_epochs: int | None = None,
@@ -63,9 +63,9 @@ def fit(
     Args:
       state: The state to start from; training continues from ``state.step``.
       train_step: From `pztrain.build_train_step`.
-      train_data: An `ArrayLoader` (its position follows the step) or any
-        iterable of batch dicts (re-iterable: one epoch per pass; a one-shot
-        iterator ends the run when it runs out).
+      train_data: An `ArrayLoader` or `GrainLoader` (positions follow the step),
+        a grain IterDataset (its iterator state is checkpointed) or any batch
+        dicts (re-iterable: one epoch per pass; a one-shot iterator, one pass).
       num_steps: Train until ``state.step == num_steps`` (a total; if reached: a
         warning that says so).
       num_epochs: Train until this many epochs are done (not a generator's).
@@ -211,6 +211,7 @@ def _end(state: TrainState, run: _Run) -> None:
         with contextlib.suppress(Exception):  # the error being raised matters more
             run.reporter.flush(state)  # (after a normal end, nothing is left)
     finally:
+        run.source.close()  # no more reading ahead: prefetch, grain's workers
         run.hooks.end(state, run.history)
 
 
@@ -284,8 +285,8 @@ def _source(args: FitArguments, schedule: Schedule) -> BatchSource:
 
 
 def _epoch_length(train_data: Any) -> int | None:
-    """Steps per epoch if the data says (an `ArrayLoader`), else ``None``."""
-    if isinstance(train_data, ArrayLoader):
+    """Steps per epoch if the data says (a `StepLoader`), else ``None``."""
+    if isinstance(train_data, StepLoader):
         return train_data.steps_per_epoch
     return None
 
