@@ -10,11 +10,14 @@ is not one of its objects).
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import threading
+import time
 from types import ModuleType
 from typing import Any
 
-__all__ = ["import_extra", "loaded", "quiet_grain_flags"]
+__all__ = ["exit_with_parent", "import_extra", "loaded", "quiet_grain_flags"]
 
 _EXTRAS = {"grain": "data", "array_record": "data", "datasets": "hf"}
 
@@ -52,3 +55,22 @@ def quiet_grain_flags() -> None:
     name = "grain_enable_multiprocess_worker_profiling"
     if not flags.FLAGS.is_parsed() and name in flags.FLAGS:
         flags.FLAGS[name].present = True
+
+
+def exit_with_parent(parent: int, worker: int = 0, workers: int = 1) -> None:
+    """Ends this grain worker process once process ``parent`` is gone.
+
+    grain's workers stop when their iterator is closed; a parent killed
+    outright (SIGKILL, the OOM killer) closes nothing, and its workers would
+    wait for it forever. A daemon thread checks every half second whether this
+    process was handed to another parent. ``worker`` and ``workers`` are
+    grain's worker index and count (unused).
+    """
+    del worker, workers
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="pztrain-orphan").start()

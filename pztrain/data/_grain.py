@@ -9,6 +9,8 @@ the same global batches: only the rows each process reads change.
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from pztrain.data._batch import BatchError
-from pztrain.data._extras import import_extra, quiet_grain_flags
+from pztrain.data._extras import exit_with_parent, import_extra, quiet_grain_flags
 from pztrain.data._hf import HFSource, is_hf_dataset
 from pztrain.data._placement import check_loader_sharding, host_rows
 from pztrain.data._reading import ReadCalls, Rows, stack_examples
@@ -163,7 +165,8 @@ class GrainLoader(StepLoader):
             ds = ds.mp_prefetch(
                 grain.MultiprocessingOptions(
                     num_workers=self.workers, per_worker_buffer_size=self.worker_buffer
-                )
+                ),
+                worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
             )
         iterator = iter(ds)
         try:
