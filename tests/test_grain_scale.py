@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import grain
 import numpy as np
 import pytest
 
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow  # subprocesses, grain worker processes
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import grain_multihost_worker as multihost  # noqa: E402
 import grain_worker  # noqa: E402
 
 
@@ -95,7 +96,8 @@ if __name__ == "__main__":
     workers = pztrain.GrainLoader(ds, 8, seed=2, workers=2)
     got = workers.iter_from_step(3, steps_per_call=2)
     for call in range(5):
-        batch, want = next(got), [plain.batch_at(s) for s in (3 + 2 * call, 4 + 2 * call)]
+        batch = next(got)
+        want = [plain.batch_at(s) for s in (3 + 2 * call, 4 + 2 * call)]
         np.testing.assert_array_equal(batch["x"], np.stack([w["x"] for w in want]))
         assert os.getpid() not in batch["pid"].tolist(), "read in this process"
     got.close()
@@ -147,3 +149,85 @@ if __name__ == "__main__":
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("Example 30['x'] is float32[3], example 24's is")
+
+
+def _launch(run_dir: Path, num: int, kill: int, tag: str) -> list:
+    """``num`` processes of ``grain_multihost_worker.py`` over 4 devices in all."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // num}"
+    worker = str(HERE / "grain_multihost_worker.py")
+    args = [str(run_dir), None, str(num), str(port), str(kill), tag]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, *args[:1], str(i), *args[2:]],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(num)
+    ]
+    try:
+        errors = [p.communicate(timeout=300)[1] for p in procs]
+        done = [(p.returncode, err) for p, err in zip(procs, errors, strict=True)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    want = -signal.SIGKILL if kill else 0
+    for code, err in done:
+        assert code == want, err[-3000:]
+    return done
+
+
+def _reads(run_dir: Path, tag: str, num: int) -> list[list[int]]:
+    """The example ids each process read, in order."""
+    return [
+        [int(i) for i in (run_dir / f"reads-{tag}-{p}.txt").read_text().split()]
+        for p in range(num)
+    ]
+
+
+def _global_batches(reads: list[list[int]], start: int, stop: int) -> dict:
+    """Global batch of each step from ``start`` to ``stop``: every process's
+    block of it (each read its rows step after step), in process order."""
+    per = multihost.BATCH // len(reads)
+    return {
+        s: [i for r in reads for i in r[(s - start) * per : (s - start + 1) * per]]
+        for s in range(start, stop)
+    }
+
+
+def test_resumed_on_another_process_count_the_global_batches_stay(tmp_path):
+    loader = pztrain.GrainLoader(multihost.dataset(), multihost.BATCH, seed=5)
+    want = {s: loader.example_ids(s) for s in range(multihost.NUM_STEPS)}
+
+    _launch(tmp_path / "one", 1, 0, "all")
+    assert _global_batches(_reads(tmp_path / "one", "all", 1), 0, 32) == want
+    reference = np.load(tmp_path / "one" / "final.npz")
+
+    for first, then in ((2, 1), (1, 2)):
+        run = tmp_path / f"{first}-then-{then}"
+        _launch(run, first, 20, "killed")  # the last checkpoint: step 16
+        _launch(run, then, 0, "resumed")
+        before, after = _reads(run, "killed", first), _reads(run, "resumed", then)
+        assert _global_batches(before, 0, 16) == {s: want[s] for s in range(16)}
+        assert _global_batches(after, 16, 32) == {s: want[s] for s in range(16, 32)}
+        # Each process read only its rows: its block of every global batch.
+        for reads in (before, after):
+            per = multihost.BATCH // len(reads)
+            start = 0 if reads is before else 16
+            for p, got in enumerate(reads):
+                assert len(got) % per == 0  # whole blocks, a few steps read ahead
+                steps = range(start, start + len(got) // per)
+                assert got == [
+                    i
+                    for s in steps
+                    for i in loader.example_ids(s)[p * per : (p + 1) * per]
+                ]
+        final = np.load(run / "final.npz")
+        for name in reference.files:
+            np.testing.assert_allclose(final[name], reference[name], atol=1e-5)
