@@ -231,3 +231,23 @@ def test_resumed_on_another_process_count_the_global_batches_stay(tmp_path):
         final = np.load(run / "final.npz")
         for name in reference.files:
             np.testing.assert_allclose(final[name], reference[name], atol=1e-5)
+
+
+def test_a_dataset_four_times_the_training_process_memory_trains(tmp_path):
+    import grain_memory_worker as memory
+
+    data = tmp_path / "big.array_record"
+    records = 24576  # 1.5 GiB of 64 KiB records
+    try:
+        memory.write(str(data), records)
+        size = data.stat().st_size
+        out = _run("grain_memory_worker.py", data, 0, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+    finally:
+        data.unlink(missing_ok=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["steps"] == records // memory.BATCH  # one epoch
+    assert got["examples"] == records  # every example once
+    assert np.isfinite(got["loss"])
+    peak = got["rss_mib"] * 2**20
+    assert size >= 4 * peak, (size / 2**20, got)
