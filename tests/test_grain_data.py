@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import pztrain
-from pztrain.data import ArrayLoader, BatchError, GrainLoader, HFSource
+from pztrain.data import ArrayLoader, BatchError, BulkSource, GrainLoader
 from pztrain.data._sequential import SequentialData
 
 N = 40
@@ -164,9 +164,9 @@ def test_a_hugging_face_dataset_reads_rows_in_one_call_per_batch(monkeypatch):
     hf = datasets.Dataset.from_dict(arrays()).with_format("numpy")
     loader = GrainLoader(hf, 8, seed=3)
     calls = []
-    read = HFSource._getitems
+    read = BulkSource._getitems
     monkeypatch.setattr(
-        HFSource, "_getitems", lambda self, idx: calls.append(idx) or read(self, idx)
+        BulkSource, "_getitems", lambda self, idx: calls.append(idx) or read(self, idx)
     )
     batch = loader.batch_at(6)
     assert len(calls) == 1 and len(calls[0]) == 8  # Arrow's bulk read

@@ -15,12 +15,12 @@ checkpoint (`pztrain.data._sequential`).
 * `pztrain.data._loader`: `ArrayLoader`, host batches and on-device epochs
   (`IndexedBatches`);
 * `pztrain.data._grain`: `GrainLoader` (grain and Hugging Face datasets,
-  through `HFSource`).
+  through `BulkSource`).
 """
 
 from pztrain.data._batch import BatchError, check_batch, stack_batches
+from pztrain.data._bulk import BulkSource
 from pztrain.data._grain import GrainLoader
-from pztrain.data._hf import HFSource
 from pztrain.data._loader import ArrayLoader, IndexedBatches
 from pztrain.data._placement import prefetch_to_device, put_batch
 from pztrain.data._stepped import StepLoader
@@ -29,7 +29,7 @@ __all__ = [
     "ArrayLoader",
     "BatchError",
     "GrainLoader",
-    "HFSource",
+    "BulkSource",
     "IndexedBatches",
     "StepLoader",
     "check_batch",

@@ -19,8 +19,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from pztrain.data._batch import BatchError
+from pztrain.data._bulk import BulkSource
 from pztrain.data._extras import exit_with_parent, import_extra, quiet_grain_flags
-from pztrain.data._hf import HFSource, is_hf_dataset
 from pztrain.data._placement import check_loader_sharding, host_rows
 from pztrain.data._reading import ReadCalls, Rows, stack_examples
 from pztrain.data._stepped import StepLoader
@@ -47,6 +47,8 @@ class GrainLoader(StepLoader):
         with a NumPy format (``dataset.with_format("numpy")``); or a grain
         data source (``len`` and ``[i]``, e.g.
         ``grain.sources.ArrayRecordDataSource``) whose records are examples.
+        Sources are read a batch at a time (`pztrain.data.BulkSource`; wrap
+        the source of a ``MapDataset`` pipeline in one for the same).
       batch_size: The global batch (over all devices and processes); read
         from the dataset's ``.batch(...)`` if ``None``.
       shuffle: Shuffle each epoch with grain's shuffle. Either way, the
@@ -114,9 +116,8 @@ class GrainLoader(StepLoader):
         self.workers = workers
         self.worker_buffer = worker_buffer
         self.sharding = sharding
-        order = grain.MapDataset.range(n).shuffle(seed=seed) if shuffle else None
         rows = host_rows(batch_size, sharding, process_index, process_count)
-        self._rows = Rows(examples, n, batch_size, rows, order)
+        self._rows = Rows(examples, n, batch_size, rows, seed if shuffle else None)
         first = self._rows.positions(0, (0, min(batch_size, _CHECKED)))
         stack_examples(examples._getitems(first), first, n)
 
@@ -194,15 +195,13 @@ def _examples(grain: Any, dataset: Any) -> tuple[Any, Any]:
             "train_data: its iterator state is saved with each checkpoint and "
             "resumes exactly, on the same number of processes only."
         )
-    if is_hf_dataset(dataset):
-        return grain.MapDataset.source(HFSource(dataset)), None
     if not isinstance(dataset, grain.MapDataset):
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise BatchError(
                 "GrainLoader takes a grain.MapDataset, a datasets.Dataset or a data "
                 f"source with len() and [i]; got {type(dataset).__name__}."
             )
-        return grain.MapDataset.source(dataset), None
+        return grain.MapDataset.source(BulkSource(dataset)), None
     chain = _chain(dataset)
     batches = [d for d in chain if type(d).__name__ == "BatchMapDataset"]
     if not batches:

@@ -17,9 +17,9 @@ from typing import Any
 import jax
 
 from pztrain.data._batch import BatchError
+from pztrain.data._bulk import is_hf_dataset
 from pztrain.data._extras import loaded
 from pztrain.data._grain import GrainLoader
-from pztrain.data._hf import is_hf_dataset
 from pztrain.data._sequential import SequentialData
 
 __all__ = ["as_fit_data"]

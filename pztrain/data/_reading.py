@@ -38,16 +38,16 @@ class Rows:
       num_examples: Its length ``n`` (one epoch).
       batch_size: Examples per global batch.
       rows: This process's ``(start, stop)`` rows of each global batch.
-      order: A grain ``MapDataset`` mapping a position ``e * n + i`` to the
-        example at place ``i`` of epoch ``e`` (grain's shuffle, reseeded per
-        epoch), or ``None``: the dataset's own order.
+      seed: Shuffle each epoch with this seed (``None``: the dataset's own
+        order), as grain's ``MapDataset.shuffle(seed)`` does: place ``i`` of
+        epoch ``e`` holds example ``index_shuffle(i, seed=seed + e)``.
     """
 
     examples: Any
     num_examples: int
     batch_size: int
     rows: tuple[int, int]
-    order: Any = None
+    seed: int | None = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -59,10 +59,16 @@ class Rows:
         epoch, index = divmod(step, self.steps_per_epoch)
         start, stop = self.rows if rows is None else rows
         first = epoch * n + index * self.batch_size
-        places = range(first + start, first + stop)
-        if self.order is None:
-            return list(places)
-        return [epoch * n + int(i) for i in self.order._getitems(places)]
+        if self.seed is None:
+            return list(range(first + start, first + stop))
+        from grain.experimental import index_shuffle  # grain's shuffle, per index
+
+        seed, last = (self.seed + epoch) % 2**32, n - 1
+        first -= epoch * n
+        return [
+            epoch * n + index_shuffle(i, max_index=last, seed=seed, rounds=4)
+            for i in range(first + start, first + stop)
+        ]
 
     def read(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of global batch ``step``, read and stacked."""
@@ -105,6 +111,9 @@ def stack_examples(
         numeric array, or another shape, dtype or set of keys than the first
         example of the batch.
     """
+    stacked = _stacked(items)
+    if stacked is not None:
+        return stacked
     columns: list[dict[str, np.ndarray]] = []
     first = 0
     for item, position in zip(items, positions, strict=True):
@@ -119,6 +128,28 @@ def stack_examples(
 
 
 _ARRAYS = (np.ndarray, np.generic, bool, int, float)
+
+
+def _stacked(items: Sequence[Any]) -> dict[str, np.ndarray] | None:
+    """The batch, if the examples are plainly fine (the common case, checked
+    in bulk); ``None`` if anything is off, for `stack_examples` to name it."""
+    try:
+        first = items[0]
+        width = len(first)
+        if not isinstance(first, dict) or any(len(e) != width for e in items):
+            return None
+        batch = {k: np.stack([e[k] for e in items]) for k in first}
+    except (TypeError, ValueError, KeyError):
+        return None
+    for name, column in batch.items():
+        value = first[name]
+        if not isinstance(name, str) or not isinstance(value, _ARRAYS):
+            return None
+        if column.dtype != np.asarray(value).dtype:
+            return None
+        if not (jnp.issubdtype(column.dtype, jnp.number) or column.dtype == np.bool_):
+            return None
+    return batch
 
 
 def _example(item: Any, index: int) -> dict[str, np.ndarray]:
