@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import sys
 
 import datasets
 import grain
@@ -417,3 +418,18 @@ def test_bad_options_name_the_argument():
         BatchError, match=re.escape("Example 3 is None: a random-access")
     ):
         GrainLoader(examples().filter(lambda e: e["id"] != 3), 8, shuffle=False)
+
+
+@pytest.mark.parametrize(("module", "extra"), [("grain", "data"), ("datasets", "hf")])
+def test_a_missing_optional_library_names_its_extra(monkeypatch, module, extra):
+    from pztrain.data._extras import import_extra
+
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    with pytest.raises(
+        ImportError,
+        match=re.escape(f"pip install 'pztrain[{extra}]'"),
+    ):
+        import_extra(module)
+    if module == "grain":
+        with pytest.raises(ImportError, match=re.escape("pztrain[data]")):
+            GrainLoader([{"x": np.zeros(2)}] * 4, 2)
