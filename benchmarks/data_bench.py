@@ -3,7 +3,7 @@
 Run from the repository root::
 
     python benchmarks/data_bench.py            # 5 interleaved rounds, ~5 minutes
-    python benchmarks/data_bench.py --quick    # 2 short rounds (a smoke test)
+    python benchmarks/data_bench.py --quick    # 1 short round, 0 and 1 worker (a smoke test)
 
 The data: ``--examples`` records in a ``.npy`` file on disk, memory-mapped
 (8×8 uint8 images and a label, 65 bytes each), read a batch at a time
@@ -242,7 +242,7 @@ def _load() -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 short rounds")
+    parser.add_argument("--quick", action="store_true", help="1 short round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--log-every", type=int, default=250)
@@ -250,7 +250,7 @@ def main() -> None:
     parser.add_argument("--workers", default="0,1,2", help="worker counts to run")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.log_every = 2, 400, 100
+        args.rounds, args.steps, args.log_every, args.workers = 1, 300, 100, "0,1"
     worker_counts = [int(w) for w in args.workers.split(",")]
     load_start = _load()
     print(f"load average at the start: {load_start:.2f} (2 cores)", flush=True)

@@ -50,3 +50,9 @@ def test_checkpoint_benchmark_completes():
 def test_mesh_benchmark_quick_mode_completes():
     out = _run("benchmarks/mesh_bench.py", "--quick", timeout=600)
     assert "| data parallel |" in out and "| FSDP |" in out
+
+
+def test_data_benchmark_quick_mode_completes():
+    out = _run("benchmarks/data_bench.py", "--quick", timeout=900)
+    assert "| grain, 1 workers |" in out and "arrays on the device" in out
+    assert "target: with grain workers" in out

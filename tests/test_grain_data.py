@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import pickle
 import re
 import sys
 
@@ -433,3 +434,41 @@ def test_a_missing_optional_library_names_its_extra(monkeypatch, module, extra):
     if module == "grain":
         with pytest.raises(ImportError, match=re.escape("pztrain[data]")):
             GrainLoader([{"x": np.zeros(2)}] * 4, 2)
+
+
+def test_bulk_source_reads_a_batch_in_one_call_and_pickles_a_mapped_file_by_name(
+    tmp_path,
+):
+    rows = np.arange(4000 * 16, dtype=np.float32).reshape(4000, 16)
+    np.save(tmp_path / "rows.npy", rows)
+    source = BulkSource(np.load(tmp_path / "rows.npy", mmap_mode="r"))
+    got = source._getitems([7, 3, 3999])
+    assert [type(r) for r in got] == [np.ndarray] * 3  # plain rows, not memmaps
+    np.testing.assert_array_equal(np.stack(got), rows[[7, 3, 3999]])
+    sent = pickle.dumps(source)  # as grain sends it to its workers
+    assert len(sent) < 1000 < rows.nbytes
+    np.testing.assert_array_equal(pickle.loads(sent)._getitems([5])[0], rows[5])
+
+
+def test_batches_go_onto_the_steps_sharding(monkeypatch):
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    loader = GrainLoader(
+        examples(), 8, seed=1, sharding=pztrain.sharding.data_sharding(mesh)
+    )
+    assert loader.batch_sharding(2).spec == jax.sharding.PartitionSpec(None, "data")
+    step = pztrain.build_train_step(loss_fn, mesh=mesh, steps_per_call=2)
+    placed = []
+    put = pztrain.loop._sources.put_batch
+
+    def spy(batch, sharding):
+        placed.append((sharding, batch["x"].shape))
+        return put(batch, sharding)
+
+    monkeypatch.setattr(pztrain.loop._sources, "put_batch", spy)
+    state, _ = pztrain.fit(
+        pztrain.shard_state(_state(), mesh), step, loader, num_steps=8,
+        log_every=4, progress=False, loggers=[],
+    )  # fmt: skip
+    assert int(state.step) == 8
+    assert placed and all(s == step.batch_sharding for s, _ in placed)
+    assert all(shape == (2, 8, 4) for _, shape in placed)  # k steps stacked

@@ -12,8 +12,9 @@ memory-mapped ``.npy`` file (fancy indexing). `BulkSource` gives grain those.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -80,6 +81,45 @@ class BulkSource:
 
     def __repr__(self) -> str:
         return f"BulkSource({self.source!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A memory-mapped file travels to grain's workers as its name (NumPy
+        would pickle its whole contents)."""
+        state = dict(self.__dict__)
+        if _whole_memmap(self.source):
+            m = self.source
+            order = "F" if m.flags.f_contiguous and not m.flags.c_contiguous else "C"
+            state["source"] = _MappedFile(
+                m.filename, m.dtype.str, m.offset, m.shape, order
+            )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if isinstance(state["source"], _MappedFile):
+            state["source"] = state["source"].open()
+        self.__dict__.update(state)
+
+
+def _whole_memmap(x: Any) -> bool:
+    """A ``np.memmap`` of a file that holds its own mapping (not a view)."""
+    return (
+        isinstance(x, np.memmap)
+        and x.filename is not None
+        and isinstance(x.base, mmap.mmap)
+    )
+
+
+class _MappedFile(NamedTuple):
+    filename: str
+    dtype: str
+    offset: int
+    shape: tuple[int, ...]
+    order: str
+
+    def open(self) -> np.memmap:
+        return np.memmap(
+            self.filename, self.dtype, "r", self.offset, self.shape, self.order
+        )
 
 
 def _check_hf(dataset: Any) -> None:
