@@ -13,6 +13,15 @@ again with a larger ``--steps`` and it continues where it stopped, its learning
 rate schedule stretched to the new total), then loads
 the trained params into a freshly built model with `pztrain.load_params` and
 greedily samples ~100 characters from a prompt.
+
+With ``--data-dir DIR`` (needs ``pip install "pztrain[data]"``) the training
+text is read from disk instead of memory: the first run writes its paragraphs
+once to ``DIR/train.array_record`` (one record each, UTF-8), and training reads
+them through grain: shuffled each epoch, encoded, packed into sequences of
+``seq + 1`` characters (grain's ``ConcatThenSplitIterDataset``: paragraphs of
+any length end to end, cut at fixed lengths) and batched. That pipeline is a
+grain ``IterDataset``, read in order: `pztrain.fit` keeps its iterator state
+with each checkpoint, so a resumed run goes on with the very next batch.
 """
 
 from __future__ import annotations
@@ -150,15 +159,57 @@ def prepare(seq: int):
     return vocab, windows(ids[:cut], seq, seq // 4), windows(held_out, seq, seq)
 
 
+def write_paragraphs(data_dir) -> Path:
+    """The first 90% of the text (the training part), written once to
+    ``data_dir/train.array_record``: one record per paragraph, UTF-8."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    path = Path(data_dir) / "train.array_record"
+    if path.exists():
+        return path
+    text = load_text()
+    train_text = text[: int(0.9 * len(text))]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    writer = ArrayRecordWriter(str(partial), "group_size:1")
+    for paragraph in train_text.split("\n\n"):  # the separators go back below
+        writer.write((paragraph + "\n\n").encode())
+    writer.close()
+    partial.rename(path)  # a run killed while writing leaves no half file
+    return path
+
+
+def disk_data(path, vocab: Vocab, seq: int, batch_size: int, seed: int = 0):
+    """Batches of packed sequences from the paragraphs on disk: a grain
+    ``IterDataset`` (shuffled paragraphs, a new order each epoch; encoded;
+    concatenated and cut into ``seq + 1`` characters; batched)."""
+    import grain
+
+    source = grain.sources.ArrayRecordDataSource([str(path)])
+    paragraphs = grain.MapDataset.source(source).shuffle(seed=seed).repeat()
+    ids = paragraphs.map(lambda record: {"ids": vocab.encode(record.decode())})
+    packed = grain.experimental.ConcatThenSplitIterDataset(
+        ids.to_iter_dataset(), length_struct={"ids": seq + 1}
+    )
+    pairs = packed.map(lambda e: {"tokens": e["ids"][:-1], "targets": e["ids"][1:]})
+    return pairs.batch(batch_size, drop_remainder=True)
+
+
 def eval_loader(eval_data):
     """All held-out windows as one batch: one shape, one compile."""
     size = len(eval_data["tokens"])
     return pztrain.ArrayLoader(eval_data, size, shuffle=False)
 
 
-def train(steps, seq, run_dir, batch_size=16, progress=True, seed=0):
-    """Trains (or resumes) the run in ``run_dir``; returns (state, history)."""
+def train(steps, seq, run_dir, batch_size=16, progress=True, seed=0, data_dir=None):
+    """Trains (or resumes) the run in ``run_dir``, from memory or from the
+    paragraphs in ``data_dir``; returns (state, history)."""
     vocab, train_data, eval_data = prepare(seq)
+    if data_dir is None:
+        train_batches = pztrain.ArrayLoader(train_data, batch_size, seed=seed)
+    else:
+        path = write_paragraphs(data_dir)
+        train_batches = disk_data(path, vocab, seq, batch_size, seed)
     model = build_model(len(vocab), seed)
     warmup = min(50, steps // 10)
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup, steps)
@@ -171,7 +222,7 @@ def train(steps, seq, run_dir, batch_size=16, progress=True, seed=0):
     state, history = pztrain.fit(
         state,
         TRAIN_STEP,
-        pztrain.ArrayLoader(train_data, batch_size, seed=seed),
+        train_batches,
         num_steps=steps,
         eval_step=EVAL_STEP,
         eval_data=eval_loader(eval_data),
@@ -182,7 +233,12 @@ def train(steps, seq, run_dir, batch_size=16, progress=True, seed=0):
         ),
         resume=True,  # a checkpoint in run_dir: continue from it
         run_dir=run_dir,
-        hparams={"steps": steps, "seq": seq, "batch_size": batch_size},
+        hparams={
+            "steps": steps,
+            "seq": seq,
+            "batch_size": batch_size,
+            "from_disk": data_dir is not None,
+        },
         progress=progress,
     )
     return state, history
@@ -195,9 +251,10 @@ def main(
     batch_size: int = 16,
     progress: bool = True,
     seed: int = 0,
+    data_dir: str | None = None,
 ) -> tuple[float, str]:
     """Trains, evaluates, reloads and samples; returns (eval bits/char, sample)."""
-    state, _ = train(steps, seq, run_dir, batch_size, progress, seed)
+    state, _ = train(steps, seq, run_dir, batch_size, progress, seed, data_dir)
     vocab, _, eval_data = prepare(seq)
     result = pztrain.evaluate(state, EVAL_STEP, eval_loader(eval_data))
     bits = result["bits_per_char"]
@@ -220,5 +277,15 @@ if __name__ == "__main__":
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--run-dir", default="runs/char_lm")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--data-dir", help="train from the text's paragraphs on disk (written once)"
+    )
     args = parser.parse_args()
-    main(args.steps, args.seq, args.run_dir, args.batch_size, not args.no_progress)
+    main(
+        args.steps,
+        args.seq,
+        args.run_dir,
+        args.batch_size,
+        not args.no_progress,
+        data_dir=args.data_dir,
+    )

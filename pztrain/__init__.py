@@ -40,7 +40,7 @@ from pztrain.checkpoint import (
     save_params,
     save_state,
 )
-from pztrain.data import ArrayLoader, BatchError, put_batch
+from pztrain.data import ArrayLoader, BatchError, GrainLoader, put_batch
 from pztrain.loggers import JsonlLogger, TensorBoardLogger
 from pztrain.loop import evaluate, fit
 from pztrain.partition import ApplyFnModel, ParamSlot, PartitionError
@@ -77,6 +77,7 @@ __all__ = [
     "EarlyStopping",
     "EvalFunction",
     "EvalStep",
+    "GrainLoader",
     "History",
     "JsonlLogger",
     "LearningRateMonitor",

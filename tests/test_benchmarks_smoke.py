@@ -52,3 +52,9 @@ def test_mesh_benchmark_quick_mode_completes():
     for layout in ("data parallel", "FSDP"):
         for kind in ("Auto", "Explicit"):
             assert f"| {layout}, {kind} |" in out
+
+
+def test_data_benchmark_quick_mode_completes():
+    out = _run("benchmarks/data_bench.py", "--quick", timeout=900)
+    assert "| grain, 1 workers |" in out and "arrays on the device" in out
+    assert "target: with grain workers" in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -56,3 +57,33 @@ def test_char_lm_trains_resumes_reloads_and_samples(tmp_path):
     assert bits < math.log2(len(vocab)) - 1.5  # uniform guessing: log2(vocab)
     assert isinstance(sample, str) and len(sample) == 100
     assert set(sample) <= set(vocab.chars)
+
+
+def test_char_lm_from_disk_packs_resumes_at_the_next_batch(tmp_path):
+    lm = _load()
+    data_dir, run_dir, seq = tmp_path / "data", tmp_path / "run", 32
+
+    # 12 steps from the paragraphs on disk (written now), checkpointed at 12.
+    state, _ = lm.train(12, seq, run_dir, 8, progress=False, data_dir=data_dir)
+    record_file = data_dir / "train.array_record"
+    written = record_file.stat().st_mtime_ns
+    meta = pztrain.read_metadata(run_dir / "ckpt" / "12")["metadata"]
+    saved = json.loads(meta["callbacks"]["data"]["iterators"][0])
+
+    # The saved iterator state gives the batch an uninterrupted pipeline gives
+    # at step 12 (packed sequences of seq + 1 characters, one shape).
+    vocab, _, _ = lm.prepare(seq)
+    uninterrupted = iter(lm.disk_data(record_file, vocab, seq, 8))
+    want = [next(uninterrupted) for _ in range(13)][-1]
+    resumed = iter(lm.disk_data(record_file, vocab, seq, 8))
+    resumed.set_state(saved)
+    got = next(resumed)
+    assert got["tokens"].shape == (8, seq) and got["targets"].shape == (8, seq)
+    np.testing.assert_array_equal(got["tokens"], want["tokens"])
+    np.testing.assert_array_equal(got["targets"][:, :-1], got["tokens"][:, 1:])
+
+    # Run again with more steps: it resumes at 12, reading the same file.
+    state, history = lm.train(24, seq, run_dir, 8, progress=False, data_dir=data_dir)
+    assert int(state.step) == 24
+    assert min(r["step"] for r in history.records) > 12
+    assert record_file.stat().st_mtime_ns == written

@@ -248,7 +248,7 @@ class Checkpoints(Callback):
         for i, cb in enumerate(self._callbacks):
             saved = cb.state_dict()
             if saved is not None:
-                found[f"{i}:{type(cb).__name__}"] = saved
+                found[_state_key(i, cb)] = saved
         return found
 
     def wait(self) -> None:
@@ -351,8 +351,8 @@ class Checkpoints(Callback):
         self.points.saved(found.step)
         self.owed_eval = found.owed_eval
         for i, cb in enumerate(callbacks):
-            if f"{i}:{type(cb).__name__}" in found.callbacks:
-                cb.load_state_dict(found.callbacks[f"{i}:{type(cb).__name__}"])
+            if _state_key(i, cb) in found.callbacks:
+                cb.load_state_dict(found.callbacks[_state_key(i, cb)])
         return found.state
 
     # -- callback hooks
@@ -433,3 +433,10 @@ class Checkpoints(Callback):
                 "logs or evaluates.",
                 stacklevel=2,
             )
+
+
+def _state_key(index: int, callback: Callback) -> str:
+    """Where a callback's ``state_dict`` goes in a checkpoint: its own
+    ``state_key`` if it has one (e.g. the train data's iterator state), else
+    its place and class (``"0:EarlyStopping"``)."""
+    return getattr(callback, "state_key", None) or f"{index}:{type(callback).__name__}"

@@ -1,25 +1,37 @@
-"""Batches: the batch rule, a deterministic resumable loader, and placement.
+"""Batches: the batch rule, loaders resumable at any step, and placement.
 
-The loader's position is a function of the global step (DESIGN.md contract 5): the
-order of epoch ``e`` depends only on ``(seed, e)``, and `ArrayLoader.iter_from_step`
-starts anywhere, so resuming a run needs no iterator state. On a mesh
-(``ArrayLoader(sharding=...)``) the global batches are the same; each process
-yields its rows of them, and `put_batch` assembles the global arrays.
+A loader's position is a function of the global step (DESIGN.md contract 5):
+`ArrayLoader` (arrays in memory) and `GrainLoader` (a random-access dataset on
+disk, read through grain) give the batch of any step from the step alone, so
+resuming a run needs no iterator state, and on another number of processes the
+global batches stay the same: each process reads its rows of them, and
+`put_batch` assembles the global arrays. A grain ``IterDataset`` given to
+`pztrain.fit` is read in order instead, its iterator state kept with each
+checkpoint (`pztrain.data._sequential`).
 
 * `pztrain.data._batch`: the one batch rule (`check_batch`, `BatchError`);
 * `pztrain.data._placement`: `put_batch`, `prefetch_to_device`, process rows;
+* `pztrain.data._stepped`: `StepLoader`, what both loaders promise;
 * `pztrain.data._loader`: `ArrayLoader`, host batches and on-device epochs
-  (`IndexedBatches`).
+  (`IndexedBatches`);
+* `pztrain.data._grain`: `GrainLoader` (grain and Hugging Face datasets,
+  through `BulkSource`).
 """
 
 from pztrain.data._batch import BatchError, check_batch, stack_batches
+from pztrain.data._bulk import BulkSource
+from pztrain.data._grain import GrainLoader
 from pztrain.data._loader import ArrayLoader, IndexedBatches
 from pztrain.data._placement import prefetch_to_device, put_batch
+from pztrain.data._stepped import StepLoader
 
 __all__ = [
     "ArrayLoader",
     "BatchError",
+    "GrainLoader",
+    "BulkSource",
     "IndexedBatches",
+    "StepLoader",
     "check_batch",
     "prefetch_to_device",
     "put_batch",

@@ -12,16 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from pztrain.data._batch import BatchError, check_batch, loader_columns, stack_batches
 from pztrain.data._device import DeviceCopy, IndexedBatches
-from pztrain.data._placement import (
-    data_shards,
-    process_rows,
-)
+from pztrain.data._placement import check_loader_sharding, host_rows
+from pztrain.data._stepped import StepLoader
 
 __all__ = ["ArrayLoader", "IndexedBatches"]
 
@@ -29,7 +26,7 @@ __all__ = ["ArrayLoader", "IndexedBatches"]
 _ORDER_BYTES = 1 << 20  # budget for epoch orders made ahead (`ArrayLoader.order`)
 
 
-class ArrayLoader:
+class ArrayLoader(StepLoader):
     """Batches over a dict of equally long arrays, resumable at any step.
 
     Args:
@@ -117,22 +114,19 @@ class ArrayLoader:
                 f"batch_size={batch_size} exceeds the {self.num_examples} examples; "
                 "with drop_remainder=True no batch would be made."
             )
-        _check_sharding(sharding, batch_size, drop_remainder)
-        self._rows = _host_rows(batch_size, sharding, process_index, process_count)
+        check_loader_sharding("ArrayLoader", sharding, batch_size)
+        if sharding is not None and not drop_remainder:
+            raise BatchError(
+                "ArrayLoader with a sharding splits every batch evenly over the data "
+                "shards, so all batches must be full: use drop_remainder=True."
+            )
+        self._rows = host_rows(batch_size, sharding, process_index, process_count)
 
     @property
     def steps_per_epoch(self) -> int:
         """Batches per epoch."""
         full, rest = divmod(self.num_examples, self.batch_size)
         return full + (1 if rest and not self.drop_remainder else 0)
-
-    def batch_sharding(self, steps_per_call: int = 1) -> NamedSharding | None:
-        """The sharding of a batch fed to the step (``None`` without a mesh):
-        ``sharding``, behind a leading unsharded axis if ``steps_per_call > 1``."""
-        if self.sharding is None or steps_per_call == 1:
-            return self.sharding
-        spec = PartitionSpec(None, *self.sharding.spec)
-        return NamedSharding(self.sharding.mesh, spec)
 
     def _epoch_sharding(self) -> NamedSharding | None:
         return self.batch_sharding(steps_per_call=2)
@@ -188,12 +182,6 @@ class ArrayLoader:
         for i in range(self.steps_per_epoch):
             yield self._batch(order, i)
 
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        return self.epoch(0)
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
-
     def iter_from_step(
         self, step: int, steps_per_call: int = 1
     ) -> Iterator[dict[str, np.ndarray]]:
@@ -227,47 +215,6 @@ class ArrayLoader:
             if len(pending) == steps_per_call:
                 yield stack_batches(pending)
                 pending = []
-
-
-def _check_sharding(sharding: Any, batch_size: int, drop_remainder: bool) -> None:
-    if sharding is None:
-        return
-    if not isinstance(sharding, NamedSharding):
-        raise BatchError(
-            "ArrayLoader's sharding must be a jax.sharding.NamedSharding of one "
-            "batch (e.g. NamedSharding(mesh, P('data'))); got "
-            f"{type(sharding).__name__}."
-        )
-    if not sharding.spec or sharding.spec[0] is None:
-        raise BatchError(
-            f"ArrayLoader's sharding {sharding.spec} must split the first axis of a "
-            "batch (its examples), e.g. P('data'): pass the sharding of one batch, "
-            "pztrain.sharding.data_sharding(mesh), also with steps_per_call."
-        )
-    shards = data_shards(sharding)
-    if batch_size % shards:
-        raise BatchError(
-            f"batch_size={batch_size} (the global batch) does not divide into the "
-            f"{shards} data shards of {sharding.spec} on a mesh of shape "
-            f"{dict(sharding.mesh.shape)}; pass a multiple of {shards} (each shard "
-            f"gets batch_size / {shards} rows)."
-        )
-    if not drop_remainder:
-        raise BatchError(
-            "ArrayLoader with a sharding splits every batch evenly over the data "
-            "shards, so all batches must be full: use drop_remainder=True."
-        )
-
-
-def _host_rows(
-    batch_size: int, sharding: Any, index: int | None, count: int | None
-) -> tuple[int, int]:
-    """The rows of each global batch this process yields on the host."""
-    if index is None:
-        index = 0 if sharding is None else jax.process_index()
-    if count is None:
-        count = 1 if sharding is None else jax.process_count()
-    return process_rows(batch_size, index, count)
 
 
 def _is_int(x: Any) -> bool:

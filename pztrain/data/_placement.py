@@ -23,7 +23,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pztrain._tree import named_leaves
 from pztrain.data._batch import BatchError
 
-__all__ = ["data_shards", "prefetch_to_device", "process_rows", "put_batch"]
+__all__ = [
+    "check_loader_sharding",
+    "data_shards",
+    "host_rows",
+    "prefetch_to_device",
+    "process_rows",
+    "put_batch",
+]
 
 
 def put_batch(batch: Any, sharding: Any = None) -> Any:
@@ -138,6 +145,51 @@ def process_rows(
         )
     per = batch_size // process_count
     return process_index * per, (process_index + 1) * per
+
+
+def check_loader_sharding(owner: str, sharding: Any, batch_size: int) -> None:
+    """Checks a loader's ``sharding`` (the sharding of one global batch).
+
+    Raises:
+      BatchError: naming ``owner`` (the loader's class), unless ``sharding`` is
+        ``None`` or a `jax.sharding.NamedSharding` that splits the batch axis
+        into pieces that divide ``batch_size``.
+    """
+    if sharding is None:
+        return
+    if not isinstance(sharding, NamedSharding):
+        raise BatchError(
+            f"{owner}'s sharding must be a jax.sharding.NamedSharding of one "
+            "batch (e.g. NamedSharding(mesh, P('data'))); got "
+            f"{type(sharding).__name__}."
+        )
+    if not sharding.spec or sharding.spec[0] is None:
+        raise BatchError(
+            f"{owner}'s sharding {sharding.spec} must split the first axis of a "
+            "batch (its examples), e.g. P('data'): pass the sharding of one batch, "
+            "pztrain.sharding.data_sharding(mesh), also with steps_per_call."
+        )
+    shards = data_shards(sharding)
+    if batch_size % shards:
+        raise BatchError(
+            f"batch_size={batch_size} (the global batch) does not divide into the "
+            f"{shards} data shards of {sharding.spec} on a mesh of shape "
+            f"{dict(sharding.mesh.shape)}; pass a multiple of {shards} (each shard "
+            f"gets batch_size / {shards} rows)."
+        )
+
+
+def host_rows(
+    batch_size: int, sharding: Any, index: int | None, count: int | None
+) -> tuple[int, int]:
+    """The rows of each global batch this process reads: its `process_rows`,
+    with ``jax.process_index()`` / ``jax.process_count()`` as the defaults when
+    there is a ``sharding`` (else process 0 of 1)."""
+    if index is None:
+        index = 0 if sharding is None else jax.process_index()
+    if count is None:
+        count = 1 if sharding is None else jax.process_count()
+    return process_rows(batch_size, index, count)
 
 
 _DONE = object()

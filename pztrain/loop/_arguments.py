@@ -11,10 +11,11 @@ from typing import Any
 
 from pztrain.callbacks import Callback, ProgressBar
 from pztrain.checkpoint import Checkpoints
+from pztrain.data._kinds import as_fit_data
 from pztrain.loggers import Logger
 from pztrain.loop._schedule import check_eval_every_epochs
 from pztrain.loop._signals import check_signals
-from pztrain.loop._sources import check_epochs
+from pztrain.loop._sources import check_epochs, data_callbacks
 from pztrain.state import TrainState
 from pztrain.step import EvalStep, TrainStep
 
@@ -25,8 +26,10 @@ __all__ = ["FitArguments"]
 class FitArguments:
     """The arguments of one `pztrain.fit` call (see its docstring), checked.
 
-    ``callbacks`` becomes a list, ``loggers`` a list or ``None``, ``preempt_on``
-    a tuple of `signal.Signals`.
+    ``callbacks`` becomes a list (with the callback that keeps sequential train
+    data's iterator state last), ``loggers`` a list or ``None``; grain datasets
+    become the loop's kinds of data (`pztrain.data._kinds.as_fit_data`);
+    ``preempt_on`` becomes a tuple of `signal.Signals`.
 
     Raises:
       TypeError: for an argument of the wrong type (named in the message).
@@ -55,6 +58,8 @@ class FitArguments:
     preempt_on: Any = ("SIGTERM",)
 
     def __post_init__(self) -> None:
+        self.train_data = as_fit_data(self.train_data, "train_data", train=True)
+        self.eval_data = as_fit_data(self.eval_data, "eval_data", train=False)
         _check_parts(
             self.state,
             self.train_step,
@@ -84,6 +89,7 @@ class FitArguments:
                 f"(e.g. 197e12); got {self.peak_flops!r}."
             )
         self.callbacks = _checked_callbacks(self.callbacks)
+        self.callbacks += data_callbacks(self.train_data)  # after the user's
         self.loggers = _checked_loggers(self.loggers)
         self.preempt_on = check_signals(self.preempt_on)
 

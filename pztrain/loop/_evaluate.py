@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from pztrain._tree import named_leaves
-from pztrain.data import ArrayLoader, put_batch
+from pztrain.data import StepLoader, put_batch
 from pztrain.data._batch import BatchError, check_batch
+from pztrain.data._kinds import as_fit_data
 from pztrain.loop._hooks import host_reads
 from pztrain.loop._signals import StopFlag, stop_signals
 from pztrain.state import TrainState
@@ -34,10 +35,11 @@ def evaluate(state: TrainState, eval_step: EvalStep, data: Iterable[Any]) -> dic
     Args:
       state: The state to evaluate.
       eval_step: From `pztrain.build_eval_step`; its metrics are scalars.
-      data: An `pztrain.ArrayLoader` (one pass, in order: its epoch 0; with a
-        ``sharding``, each batch is split over the mesh and, with several
-        processes, assembled from every process's rows) or any iterable of
-        batch dicts.
+      data: A `pztrain.ArrayLoader` or `pztrain.GrainLoader` (one pass, in
+        order: its epoch 0; with a ``sharding``, each batch is split over the
+        mesh and, with several processes, assembled from every process's
+        rows), a grain ``MapDataset`` ending in ``.batch(n)`` (read in its
+        order, as a `pztrain.GrainLoader`) or any iterable of batch dicts.
 
     Returns:
       Metric name → float mean over all examples.
@@ -61,8 +63,9 @@ def evaluate_until(
     state: TrainState, eval_step: EvalStep, data: Iterable[Any], flag: StopFlag
 ) -> dict | None:
     """`evaluate`, or ``None`` if ``flag`` asks to stop before a batch."""
+    data = as_fit_data(data, "data", train=False)
     sums, total = None, 0
-    sharding = data.batch_sharding() if isinstance(data, ArrayLoader) else None
+    sharding = data.batch_sharding() if isinstance(data, StepLoader) else None
     for batch in data:
         if flag.requested:
             return None

@@ -23,7 +23,7 @@ import jax
 from pztrain.callbacks import Callback, ProgressBar
 from pztrain.checkpoint import Checkpoints
 from pztrain.checkpoint._lock import locked
-from pztrain.data import ArrayLoader
+from pztrain.data import StepLoader
 from pztrain.loggers import JsonlLogger, Logger
 from pztrain.loop._arguments import FitArguments
 from pztrain.loop._evaluate import evaluate_until
@@ -44,7 +44,7 @@ __all__ = ["fit"]
 def fit(
     state: TrainState,
     train_step: TrainStep,
-    train_data: ArrayLoader | Iterable[Any],
+    train_data: StepLoader | Iterable[Any],
     *,
     num_steps: int | None = None,
     num_epochs: int | None = None,
@@ -72,8 +72,8 @@ def fit(
     Args:
       state: The state to start from; training continues from ``state.step``.
       train_step: From `pztrain.build_train_step`.
-      train_data: An `ArrayLoader` (its position follows the step) or batch
-        dicts (one epoch per pass; a one-shot iterator ends when it runs out).
+      train_data: An `ArrayLoader` or `GrainLoader` (positions follow the step),
+        a grain IterDataset (its iterator state checkpointed) or batch dicts.
       num_steps: Train until ``state.step == num_steps`` (a total).
       num_epochs: Train until this many epochs are done (not a generator's).
       eval_step: From `pztrain.build_eval_step`, with ``eval_data``.
@@ -88,8 +88,8 @@ def fit(
       progress: Show a `pztrain.ProgressBar` (needs tqdm), or this one.
       prefetch: Batches moved to the device ahead (0 turns it off).
       checkpoints: A `pztrain.Checkpoints`; its saves finish before ``fit`` ends.
-      resume: Continue from the newest complete checkpoint in ``checkpoints``:
-        state, data position, log records and callback counters.
+      resume: Continue from the newest checkpoint in ``checkpoints`` (state,
+        data position, log records, callback counters).
       peak_flops: A device's peak FLOPs/s for ``mfu`` (`pztrain.loop.PEAK_FLOPS`).
       preempt_on: Signals that preempt the run (``[]``: none).
 
@@ -289,6 +289,8 @@ def _end(state: TrainState, run: _Run) -> None:
     except BaseException as e:
         keep_state(e, state)
         raise
+    finally:
+        run.source.close()  # no more reading ahead: prefetch, grain's workers
 
 
 def _signalled(flag: StopFlag) -> Stop | None:
@@ -375,8 +377,8 @@ def _source(args: FitArguments, schedule: Schedule) -> BatchSource:
 
 
 def _epoch_length(train_data: Any) -> int | None:
-    """Steps per epoch if the data says (an `ArrayLoader`), else ``None``."""
-    if isinstance(train_data, ArrayLoader):
+    """Steps per epoch if the data says (a `StepLoader`), else ``None``."""
+    if isinstance(train_data, StepLoader):
         return train_data.steps_per_epoch
     return None
 

@@ -3,11 +3,15 @@
 `BatchSource.stretch` gives the batches for the calls from one step up to the
 next host point, each with the number of calls to run on it:
 
-* `HostBatches`: batch dicts from the host (an `ArrayLoader` from the run's
-  step, or any iterable), moved to the device ahead of time in a background
-  thread; one call per batch.
+* `HostBatches`: batch dicts from the host (a `StepLoader` from the run's
+  step, a grain ``IterDataset`` from its saved iterator state, or any
+  iterable), moved to the device ahead of time in a background thread; one
+  call per batch.
 * `DeviceEpochs`: an `ArrayLoader(on_device=True)`: the epoch's data on the
   device, from which every call slices its own batch; one item per stretch.
+
+`IteratorState` is the callback that keeps a sequential source's iterator
+state with each checkpoint.
 """
 
 from __future__ import annotations
@@ -17,15 +21,19 @@ import operator
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
-from pztrain.data import ArrayLoader, prefetch_to_device, put_batch
+from pztrain.callbacks import Callback
+from pztrain.data import ArrayLoader, StepLoader, prefetch_to_device, put_batch
 from pztrain.data._batch import BatchError, check_batch, stack_batches
+from pztrain.data._sequential import SequentialData
 
 __all__ = [
     "BatchSource",
     "DeviceEpochs",
     "HostBatches",
+    "IteratorState",
     "batch_source",
     "check_epochs",
+    "data_callbacks",
     "one_shot_without_length",
 ]
 
@@ -45,9 +53,12 @@ class BatchSource(Protocol):
         """``(batch, calls)`` for the calls from ``step`` up to ``stop`` (fewer
         at the end of a pass or of the data)."""
 
+    def close(self) -> None:
+        """Stops reading ahead (prefetch threads, grain's worker processes)."""
+
 
 def batch_source(
-    data: ArrayLoader | Iterable[Any],
+    data: StepLoader | SequentialData | Iterable[Any],
     start: int,
     steps_per_call: int,
     prefetch: int,
@@ -67,17 +78,21 @@ def batch_source(
                 "ArrayLoader(..., sharding=pztrain.sharding.data_sharding(mesh))."
             )
         return DeviceEpochs(data, start, steps_per_call)
-    if isinstance(data, ArrayLoader):
+    if isinstance(data, StepLoader):
         if sharding is None:
             sharding = data.batch_sharding(steps_per_call)
         items = ((b, False) for b in data.iter_from_step(start, steps_per_call))
+    elif isinstance(data, SequentialData):
+        items = data.items(steps_per_call)  # (batch, ends_pass, state)
     else:
         items = _passes(data, steps_per_call)
-    put = functools.partial(_put_pair, sharding=sharding)
+    put = functools.partial(_put_first, sharding=sharding)
     if prefetch:
         items = prefetch_to_device(items, prefetch, put=put)
     elif sharding is not None:  # a global array needs building even so
         items = map(put, items)
+    if isinstance(data, SequentialData):
+        items = data.track(items)
     return HostBatches(items, steps_per_call)
 
 
@@ -105,6 +120,11 @@ class HostBatches:
             batch, self.ended_pass = item
             yield batch, 1
             step += self._k
+
+    def close(self) -> None:
+        close = getattr(self._items, "close", None)
+        if close is not None:  # a generator: its prefetch thread stops
+            close()
 
 
 class DeviceEpochs:
@@ -135,6 +155,9 @@ class DeviceEpochs:
         batches = self._loader.device_epoch(step // self._loader.steps_per_epoch)
         yield batches, int(stop - step) // self._k
 
+    def close(self) -> None:
+        pass
+
 
 def one_shot_without_length(data: Any) -> bool:
     """Whether ``data`` is a one-shot iterator (its own ``iter()``) that says
@@ -148,7 +171,7 @@ def one_shot_without_length(data: Any) -> bool:
       >>> one_shot_without_length(iter([1, 2])), one_shot_without_length([1, 2])
       (False, False)
     """
-    if isinstance(data, ArrayLoader) or not isinstance(data, Iterator):
+    if isinstance(data, StepLoader) or not isinstance(data, Iterator):
         return False
     return operator.length_hint(data, -1) < 0
 
@@ -209,6 +232,32 @@ def _groups(source: Iterator[Any], k: int) -> Iterator[Any]:
             group = []
 
 
-def _put_pair(pair: tuple[Any, bool], sharding: Any) -> tuple[Any, bool]:
-    batch, ends_pass = pair
-    return put_batch(batch, sharding), ends_pass
+def _put_first(item: tuple, sharding: Any) -> tuple:
+    """``item`` with its batch (first) on the devices of ``sharding``."""
+    return put_batch(item[0], sharding), *item[1:]
+
+
+class IteratorState(Callback):
+    """Keeps the iterator state of sequential train data (`SequentialData`)
+    with each checkpoint, under the key ``"data"`` (`pztrain.Checkpoints`
+    stores ``state_key`` callbacks' states by that key, so a run whose
+    callbacks change keeps it)."""
+
+    state_key = "data"
+
+    def __init__(self, data: SequentialData):
+        self.data = data
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.data.state_dict()
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.data.load_state_dict(saved)
+
+
+def data_callbacks(train_data: Any) -> list[Callback]:
+    """The callbacks ``train_data`` needs: an `IteratorState` for sequential
+    data, none for the others."""
+    if isinstance(train_data, SequentialData):
+        return [IteratorState(train_data)]
+    return []

@@ -1,0 +1,276 @@
+"""`GrainLoader`: a random-access dataset read through grain, resumable at any
+step and on any number of processes.
+
+The batch of global step ``s`` is a pure function of ``s``, the seed and the
+dataset's length (`pztrain.data._reading`), so `pztrain.fit` starts it at any
+step with no iterator state, and a run resumed on another process count sees
+the same global batches: only the rows each process reads change.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from jax.sharding import NamedSharding
+
+from pztrain.data._batch import BatchError
+from pztrain.data._bulk import BulkSource
+from pztrain.data._extras import exit_with_parent, import_extra, quiet_grain_flags
+from pztrain.data._placement import check_loader_sharding, host_rows
+from pztrain.data._reading import ReadCalls, Rows, stack_examples
+from pztrain.data._stepped import StepLoader
+
+__all__ = ["GrainLoader"]
+
+_CHECKED = 16  # examples of the first batch checked when the loader is made
+
+
+class GrainLoader(StepLoader):
+    """Batches from a random-access dataset: any step, any process count.
+
+    Epoch ``e`` is grain's shuffle of the examples seeded from ``(seed, e)``
+    (``shuffle=True``) or their order, cut into global batches of
+    ``batch_size`` (a last partial batch is dropped). Each process reads only
+    its rows of every global batch (its block, in process order); reading and
+    the dataset's own transformations (``.map``, ``.random_map``) run in
+    ``workers`` grain worker processes, ahead of the step.
+
+    Args:
+      dataset: A ``grain.MapDataset`` of examples (flat dicts of arrays), or
+        one ending in ``.batch(batch_size)`` (read as its examples, so that
+        each process reads only its rows); a Hugging Face ``datasets.Dataset``
+        with a NumPy format (``dataset.with_format("numpy")``); or a grain
+        data source (``len`` and ``[i]``, e.g.
+        ``grain.sources.ArrayRecordDataSource``) whose records are examples.
+        Sources are read a batch at a time (`pztrain.data.BulkSource`; wrap
+        the source of a ``MapDataset`` pipeline in one for the same).
+      batch_size: The global batch (over all devices and processes); read
+        from the dataset's ``.batch(...)`` if ``None``.
+      shuffle: Shuffle each epoch with grain's shuffle. Either way, the
+        dataset is read at index ``e * len + i`` in epoch ``e``, so grain's
+        own ``shuffle`` and ``random_map`` in the dataset draw anew each epoch.
+      seed: The shuffle's seed, in ``[0, 2**32)``.
+      workers: grain worker processes reading ahead (``mp_prefetch``); 0
+        reads in `pztrain.fit`'s prefetch thread. Workers start in a few
+        seconds (each imports the program's modules).
+      worker_buffer: Batches each worker keeps ready.
+      sharding: For a mesh: the `jax.sharding.NamedSharding` of one batch
+        (as `pztrain.ArrayLoader`'s); each process then reads its rows.
+      process_index: This process (default ``jax.process_index()`` with a
+        ``sharding``, else 0).
+      process_count: The processes sharing each batch (default
+        ``jax.process_count()`` with a ``sharding``, else 1).
+
+    Raises:
+      BatchError: naming the index, key or size at fault: examples that are
+        not flat dicts of numeric arrays or differ in shape (the first batch
+        is checked here, every batch when read), a dataset shorter than one
+        global batch or endless, one batched with another batch size, an
+        ``IterDataset``, a Hugging Face dataset without a NumPy format.
+      ImportError: if grain is not installed (the ``data`` extra).
+
+    Example:
+      >>> import grain, numpy as np
+      >>> ds = grain.MapDataset.range(10).map(lambda i: {"x": np.float32(i)})
+      >>> loader = GrainLoader(ds, batch_size=4, shuffle=False)
+      >>> loader.steps_per_epoch
+      2
+      >>> loader.batch_at(3)["x"].tolist()  # epoch 1, batch 1
+      [4.0, 5.0, 6.0, 7.0]
+      >>> half = GrainLoader(ds, 4, process_index=1, process_count=2)  # shuffled
+      >>> half.example_ids(0)  # global batch 0, whatever the process count
+      [0, 4, 6, 7]
+      >>> half.batch_at(0)["x"].tolist()  # process 1 of 2 reads its rows only
+      [6.0, 7.0]
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        workers: int = 0,
+        worker_buffer: int = 2,
+        sharding: NamedSharding | None = None,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
+        grain = import_extra("grain")
+        examples, batched = _examples(grain, dataset)
+        batch_size = _batch_size(batch_size, batched)
+        n = _length(examples, batch_size)
+        _check_options(seed, workers, worker_buffer)
+        check_loader_sharding("GrainLoader", sharding, batch_size)
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.num_examples = n
+        self.shuffle = shuffle
+        self.seed = seed
+        self.workers = workers
+        self.worker_buffer = worker_buffer
+        self.sharding = sharding
+        rows = host_rows(batch_size, sharding, process_index, process_count)
+        self._rows = Rows(examples, n, batch_size, rows, seed if shuffle else None)
+        first = self._rows.positions(0, (0, min(batch_size, _CHECKED)))
+        stack_examples(examples._getitems(first), first, n)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches per epoch (full ones)."""
+        return self._rows.steps_per_epoch
+
+    def example_ids(self, step: int) -> list[int]:
+        """The dataset indices of global batch ``step`` (every process's rows).
+
+        A function of ``step``, the seed and the dataset's length only: the
+        same whatever the process count.
+        """
+        positions = self._rows.positions(step, (0, self.batch_size))
+        return [p % self.num_examples for p in positions]
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        """The batch that global step ``step`` trains on (this process's rows),
+        read here (no workers)."""
+        return self._rows.read(step)
+
+    def epoch(self, epoch: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """The batches of one epoch, in order (for evaluation: one pass)."""
+        first = epoch * self.steps_per_epoch
+        return self._stream(ReadCalls(self._rows, first), self.steps_per_epoch)
+
+    def iter_from_step(
+        self, step: int, steps_per_call: int = 1
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """Batches from global step ``step`` on, endlessly (this process's rows).
+
+        With ``steps_per_call=k`` each item stacks the batches of ``k``
+        consecutive steps along a new leading axis.
+        """
+        return self._stream(ReadCalls(self._rows, step, steps_per_call), sys.maxsize)
+
+    def _stream(self, read: ReadCalls, calls: int) -> Iterator[dict[str, np.ndarray]]:
+        """``read(0), read(1), ...`` for ``calls`` calls, read by grain (in its
+        worker processes if ``workers``); its workers stop when this ends."""
+        grain = import_extra("grain")
+        ds = grain.MapDataset.range(calls).map(read)
+        ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0))
+        if self.workers:
+            quiet_grain_flags()
+            ds = ds.mp_prefetch(
+                grain.MultiprocessingOptions(
+                    num_workers=self.workers, per_worker_buffer_size=self.worker_buffer
+                ),
+                worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
+            )
+        iterator = iter(ds)
+        try:
+            yield from iterator
+        finally:
+            iterator.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"GrainLoader({self.num_examples} examples, batch_size={self.batch_size}, "
+            f"shuffle={self.shuffle}, seed={self.seed}, workers={self.workers})"
+        )
+
+
+def _examples(grain: Any, dataset: Any) -> tuple[Any, Any]:
+    """``(examples, batched)``: the examples as a ``MapDataset``, and the
+    ``.batch(...)`` that ended ``dataset`` (``None`` if none did)."""
+    if isinstance(dataset, grain.IterDataset | grain.DataLoader):
+        raise BatchError(
+            f"GrainLoader needs random access; got a grain {type(dataset).__name__} "
+            "(e.g. from .to_iter_dataset()), read in order: it cannot start at a "
+            "step, nor be split anew over another number of processes. Pass the "
+            "grain.MapDataset (before .to_iter_dataset(); its .shuffle() is "
+            "reseeded each epoch). Or pass the IterDataset itself to fit as "
+            "train_data: its iterator state is saved with each checkpoint and "
+            "resumes exactly, on the same number of processes only."
+        )
+    if not isinstance(dataset, grain.MapDataset):
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise BatchError(
+                "GrainLoader takes a grain.MapDataset, a datasets.Dataset or a data "
+                f"source with len() and [i]; got {type(dataset).__name__}."
+            )
+        return grain.MapDataset.source(BulkSource(dataset)), None
+    chain = _chain(dataset)
+    batches = [d for d in chain if type(d).__name__ == "BatchMapDataset"]
+    if not batches:
+        return dataset, None
+    if batches[0] is not dataset or len(batches) > 1:
+        raise BatchError(
+            f"The dataset is batched ({batches[-1]}) before its last step "
+            f"({dataset}); GrainLoader batches the examples itself, so that each "
+            "process reads only its rows: end the pipeline with .batch(batch_size), "
+            "or drop .batch."
+        )
+    return dataset.parents[0], dataset
+
+
+def _chain(dataset: Any) -> list[Any]:
+    """``dataset`` and its ancestors, nearest first (first parents only)."""
+    chain = [dataset]
+    while chain[-1].parents:
+        chain.append(chain[-1].parents[0])
+    return chain
+
+
+def _batch_size(batch_size: Any, batched: Any) -> int:
+    given = batched._batch_size if batched is not None else None  # grain's field
+    if batch_size is None and given is None:
+        raise BatchError(
+            "GrainLoader needs the global batch size: pass batch_size=..., or end "
+            "the dataset with .batch(batch_size)."
+        )
+    if batch_size is None:
+        batch_size = given
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+        raise BatchError(f"batch_size must be an int >= 1; got {batch_size!r}.")
+    if batch_size < 1:
+        raise BatchError(f"batch_size must be an int >= 1; got {batch_size!r}.")
+    if given is not None and given != batch_size:
+        raise BatchError(
+            f"The dataset is batched with .batch({given}) but batch_size={batch_size}: "
+            f"drop the dataset's .batch({given}), or pass batch_size={given}."
+        )
+    return batch_size
+
+
+def _length(examples: Any, batch_size: int) -> int:
+    n = len(examples)
+    if n >= sys.maxsize:
+        raise BatchError(
+            "The dataset is endless (.repeat() without num_epochs); GrainLoader "
+            "makes the epochs itself: pass the dataset without .repeat()."
+        )
+    if n < batch_size:
+        raise BatchError(
+            f"The dataset holds {n} examples, fewer than one global batch of "
+            f"batch_size={batch_size}: pass batch_size <= {n}, or more data."
+        )
+    return n
+
+
+def _check_options(seed: Any, workers: Any, worker_buffer: Any) -> None:
+    for name, value, low, high in (
+        ("seed", seed, 0, 2**32 - 1),
+        ("workers", workers, 0, None),
+        ("worker_buffer", worker_buffer, 1, None),
+    ):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or value < low
+            or (high is not None and value > high)
+        ):
+            bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise BatchError(f"{name} must be an int {bound}; got {value!r}.")

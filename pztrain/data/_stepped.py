@@ -1,0 +1,69 @@
+"""`StepLoader`: what `pztrain.fit` and `pztrain.evaluate` ask of a loader whose
+position is a function of the step (DESIGN.md contract 5).
+
+`pztrain.ArrayLoader` (arrays in memory) and `pztrain.GrainLoader` (a
+random-access dataset read through grain) are the two kinds; `fit` starts
+either at any step, so resuming needs no iterator state.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from typing import Any
+
+from jax.sharding import NamedSharding, PartitionSpec
+
+__all__ = ["StepLoader"]
+
+
+class StepLoader(abc.ABC):
+    """A loader whose batch for global step ``s`` is a function of ``s``.
+
+    Subclasses set ``sharding`` (the `jax.sharding.NamedSharding` of one
+    global batch, or ``None``) and give the batches of a step, of an epoch and
+    from a step on. Across processes each process yields only its rows of
+    every global batch, for `pztrain.data.put_batch` to assemble.
+
+    Attributes:
+      sharding: The sharding of one batch, or ``None``.
+      on_device: Whether `pztrain.fit` slices each step's batch from an epoch
+        kept on the device (`pztrain.ArrayLoader` only).
+    """
+
+    sharding: NamedSharding | None = None
+    on_device: bool = False
+
+    @property
+    @abc.abstractmethod
+    def steps_per_epoch(self) -> int:
+        """Batches per epoch."""
+
+    @abc.abstractmethod
+    def batch_at(self, step: int) -> dict[str, Any]:
+        """The batch that global step ``step`` trains on (this process's rows)."""
+
+    @abc.abstractmethod
+    def epoch(self, epoch: int = 0) -> Iterator[dict[str, Any]]:
+        """The batches of one epoch, in order (evaluation: one pass)."""
+
+    @abc.abstractmethod
+    def iter_from_step(
+        self, step: int, steps_per_call: int = 1
+    ) -> Iterator[dict[str, Any]]:
+        """Batches from global step ``step`` on, endlessly; with
+        ``steps_per_call=k`` each item stacks ``k`` steps' batches."""
+
+    def batch_sharding(self, steps_per_call: int = 1) -> NamedSharding | None:
+        """The sharding of a batch fed to the step (``None`` without a mesh):
+        ``sharding``, behind a leading unsharded axis if ``steps_per_call > 1``."""
+        if self.sharding is None or steps_per_call == 1:
+            return self.sharding
+        spec = PartitionSpec(None, *self.sharding.spec)
+        return NamedSharding(self.sharding.mesh, spec)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self.epoch(0)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
