@@ -29,6 +29,7 @@ from pztrain.step import _fns
 from pztrain.step._cost import StepCost, StepMemory, cost_of
 from pztrain.step._fns import LossFunction, Static, StepOutputs
 from pztrain.step._mesh import NO_MESH, MeshLayout
+from pztrain.step._notes import note_inputs
 from pztrain.step._programs import (
     Found,
     OnMesh,
@@ -265,8 +266,9 @@ class TrainStep:
                 rest_arrays,
                 batch,
             )
-        except (RuntimeError, ValueError) as err:
+        except Exception as err:
             raise_if_donated(state, err, "train_step(state, ...)")
+            note_inputs(err, fields["params"], batch, "train_step(state, ...)")
             raise
         if calls > 1:
             out = self._more_calls(step, out, found, batch, calls, flag)
@@ -317,7 +319,11 @@ class TrainStep:
         donates nothing. Apply the grads with ``state.apply_gradients(grads)``.
         """
         found = self._lookup(state)
-        return found.program.grads(*args_of(state, found, batch, opt_state=False))
+        try:
+            return found.program.grads(*args_of(state, found, batch, opt_state=False))
+        except Exception as err:
+            note_inputs(err, state.params, batch, "compute_grads(state, ...)")
+            raise
 
     def lower(
         self, state: TrainState, batch: Any = None, /, **arrays: Any
