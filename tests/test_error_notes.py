@@ -106,7 +106,7 @@ def test_replace_refuses_another_optimizers_state_by_name():
     assert state.replace(opt_state=optax.adam(0.5).init(state.params)).step == 0
 
 
-def test_replace_refuses_a_state_for_other_params_and_a_lone_optimizer():
+def test_a_state_for_other_params_and_a_lone_optimizer_are_refused_where_used():
     state = _state()
     wider = optax.adam(0.1).init({"w": jnp.zeros((5, 1)), "b": jnp.zeros(1)})
     with pytest.raises(
@@ -114,8 +114,13 @@ def test_replace_refuses_a_state_for_other_params_and_a_lone_optimizer():
         match=re.escape("[0].mu['w'] (float32[5, 1], expected float32[4, 1])"),
     ):
         state.replace(opt_state=wider)
+    # A new optimizer alone is Flax's habit (tx= first, opt_state= next): it is
+    # checked where it is used.
+    lone = state.replace(optimizer_def=optax.sgd(0.1, momentum=0.9))
     with pytest.raises(ValueError, match=re.escape("it lacks [0].trace['b']")):
-        state.replace(optimizer_def=optax.sgd(0.1, momentum=0.9))
+        lone.apply_gradients(state.params)
+    with pytest.raises(ValueError, match=re.escape("it lacks [0].trace['b']")):
+        pztrain.build_train_step(_loss)(lone, x=jnp.ones((8, 4)), y=jnp.ones((8, 1)))
 
 
 def test_apply_gradients_refuses_a_mismatched_state():

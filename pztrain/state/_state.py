@@ -273,9 +273,10 @@ class TrainState(pz.Struct):
 
         Raises:
           TypeError: naming an unknown field.
-          ValueError: if a new ``opt_state`` (or ``optimizer_def``) is not what
-            the optimizer's ``init`` makes for the params, naming the fields
-            that differ.
+          ValueError: if a new ``opt_state`` is not what the optimizer's
+            ``init`` makes for the params, naming the fields that differ (a
+            new ``optimizer_def`` alone is checked by `apply_gradients` and
+            the train step).
         """
         names = field_names(cls := type(self))
         fields = _flax.flax_fields(self.model_without_params, fields)
@@ -284,7 +285,7 @@ class TrainState(pz.Struct):
                 f"{cls.__name__} has no field(s) {sorted(set(fields) - names)}; its "
                 f"fields are {sorted(names)}."
             )
-        if "opt_state" in fields or "optimizer_def" in fields:
+        if "opt_state" in fields:  # a lone tx= is Flax's habit: checked when used
             check_opt_state(
                 fields.get("optimizer_def", self.optimizer_def),
                 fields.get("opt_state", self.opt_state),

@@ -24,6 +24,7 @@ from pztrain.sharding import data_sharding
 from pztrain.sharding._rules import mesh_axes
 from pztrain.state import TrainState
 from pztrain.state._donation import raise_if_donated
+from pztrain.state._parts import check_opt_state
 from pztrain.state._struct import after_step, replaced
 from pztrain.step import _fns
 from pztrain.step._cost import StepCost, StepMemory, cost_of
@@ -251,6 +252,8 @@ class TrainStep:
         if last[0] is rest and last[1] is optimizer_def and last[2] is root_rng:
             found = last[3]
         else:
+            if last[1] is not optimizer_def:  # a new optimizer: is this its state?
+                check_opt_state(optimizer_def, fields["opt_state"], fields["params"])
             found = self._programs.lookup(rest, optimizer_def, root_rng)
         if self.batch_sharding is not None and isinstance(batch, Mapping):
             batch = _on_mesh(batch, self.batch_sharding)
