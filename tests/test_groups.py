@@ -90,6 +90,7 @@ def test_labels_of_an_nnx_model():
         for name in state.params
     }
     assert got["l1/kernel"] == "w" and got["bn/scale"] == "norm"
+    assert groups.labels(model, [(r"bias", "b"), (r"^bn/", "norm")], default="w") == got
 
 
 def test_predicates_and_first_match_wins():
