@@ -111,49 +111,92 @@ class HyperparamsView(Mapping):
         self._refuse(next(iter(kwargs), "learning_rate"))
 
 
-def injected_hyperparams(opt_state: Any) -> HyperparamsView:
-    """The hyperparameters ``optax.inject_hyperparams`` keeps, merged (read-only).
+def _injected(opt_state: Any) -> list[tuple[Any, Any]]:
+    """Each injected state with the label of the ``optax.partition`` group that
+    holds it (``None`` outside a partition), in order."""
 
-    Raises:
-      ValueError: if there are none, or two injected transformations use the
-        same name.
+    def is_kind(x: Any) -> bool:
+        return isinstance(x, _INJECTED)
+
+    flat = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_kind)[0]
+    return [(_group_of(path), x) for path, x in flat if is_kind(x)]
+
+
+def _group_of(path: tuple[Any, ...]) -> Any:
+    label = None
+    for before, key in zip(path, path[1:], strict=False):
+        if getattr(before, "name", None) == "inner_states" and hasattr(key, "key"):
+            label = key.key
+    return label
+
+
+def _named(opt_state: Any) -> dict[str, tuple[Any, str]]:
+    """Public name → (injected state, its own name for the value).
+
+    A name injected by several ``optax.partition`` groups reads as
+    ``"<label>/<name>"``; any other name as itself.
     """
-    found = states_of(opt_state, *_INJECTED)
+    found = _injected(opt_state)
     if not found:
         raise ValueError(
             "The optimizer state holds no injected hyperparameters. Wrap the "
             "optimizer to read them, e.g. "
             "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)."
         )
-    merged: dict[str, Any] = {}
-    for inject_state in found:
-        for name, value in inject_state.hyperparams.items():
-            if name in merged:
-                raise ValueError(
-                    f"Hyperparameter {name!r} is injected by more than one "
-                    "transformation; read each from its own optimizer state "
-                    "(state.opt_state[i].hyperparams)."
-                )
-            merged[name] = value
-    return HyperparamsView(merged)
+    holders: dict[str, list[tuple[Any, Any]]] = {}
+    for group, inject_state in found:
+        for name in inject_state.hyperparams:
+            holders.setdefault(name, []).append((group, inject_state))
+    named: dict[str, tuple[Any, str]] = {}
+    for name, where in holders.items():
+        groups = [group for group, _ in where]
+        if len(where) == 1:
+            named[name] = (where[0][1], name)
+        elif None in groups or len(set(groups)) < len(groups):
+            raise ValueError(
+                f"Hyperparameter {name!r} is injected by more than one "
+                "transformation; read each from its own optimizer state "
+                "(state.opt_state[i].hyperparams)."
+            )
+        else:
+            for group, inject_state in where:
+                named[f"{group}/{name}"] = (inject_state, name)
+    return named
 
 
-def _settable(found: list[Any], name: str) -> Any:
-    """The one injected state that holds ``name`` (as a number, not a schedule)."""
-    holders = [s for s in found if name in s.hyperparams]
-    if len(holders) > 1:
-        raise ValueError(
-            f"Hyperparameter {name!r} is injected by more than one transformation; "
-            "set it in each optimizer state yourself (state.replace(opt_state=...))."
-        )
-    scheduled = getattr(holders[0], "hyperparams_states", {})
-    if name in scheduled:
+def injected_hyperparams(opt_state: Any) -> HyperparamsView:
+    """The hyperparameters ``optax.inject_hyperparams`` keeps, merged (read-only).
+
+    A name injected in several groups of an ``optax.partition`` (one learning
+    rate per group) is qualified by the group's label: ``"embed/learning_rate"``.
+
+    Raises:
+      ValueError: if there are none, or two injected transformations outside
+        distinct partition groups use the same name.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> lr = optax.inject_hyperparams(optax.sgd)
+      >>> tx = optax.partition({"a": lr(learning_rate=0.1), "b": lr(learning_rate=0.2)},
+      ...                      {"w": "a", "v": "b"})
+      >>> sorted(injected_hyperparams(tx.init({"w": jnp.ones(1), "v": jnp.ones(1)})))
+      ['a/learning_rate', 'b/learning_rate']
+    """
+    named = _named(opt_state)
+    return HyperparamsView({k: s.hyperparams[n] for k, (s, n) in named.items()})
+
+
+def _settable(named: dict[str, tuple[Any, str]], name: str) -> tuple[Any, str]:
+    """The injected state that holds ``name`` (as a number, not a schedule)."""
+    holder, own = named[name]
+    scheduled = getattr(holder, "hyperparams_states", {})
+    if own in scheduled:
         raise ValueError(
             f"Hyperparameter {name!r} follows a schedule: optax recomputes it at "
             "every update, so setting it would do nothing. Inject a number instead "
-            f"(optax.inject_hyperparams(...)({name}=1e-3)) to set it during a run."
+            f"(optax.inject_hyperparams(...)({own}=1e-3)) to set it during a run."
         )
-    return holders[0]
+    return holder, own
 
 
 def _new_value(name: str, old: Any, value: Any) -> jax.Array:
@@ -192,19 +235,18 @@ def set_hyperparams(opt_state: Any, values: dict[str, Any]) -> Any:
       >>> injected_hyperparams(s)["learning_rate"]
       Array(0.5, dtype=float32)
     """
-    known = injected_hyperparams(opt_state) if values else {}
-    unknown = sorted(set(values) - set(known))
+    named = _named(opt_state) if values else {}
+    unknown = sorted(set(values) - set(named))
     if unknown:
         raise ValueError(
             f"Unknown hyperparameter(s) {unknown}; the injected ones are "
-            f"{sorted(known)}."
+            f"{sorted(named)}."
         )
-    found = states_of(opt_state, *_INJECTED)
     changes: dict[int, dict[str, Any]] = {}
     for name, value in values.items():
-        holder = _settable(found, name)
-        new = _new_value(name, holder.hyperparams[name], value)
-        changes.setdefault(id(holder), {})[name] = new
+        holder, own = _settable(named, name)
+        new = _new_value(name, holder.hyperparams[own], value)
+        changes.setdefault(id(holder), {})[own] = new
 
     def rebuild(x: Any) -> Any:
         if isinstance(x, _INJECTED) and id(x) in changes:

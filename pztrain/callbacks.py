@@ -21,6 +21,7 @@ import optax
 from pztrain._optax import states_of
 from pztrain._tree import all_finite
 from pztrain.records import LoopInfo, Stop
+from pztrain.step import explain_in_run
 
 if TYPE_CHECKING:
     from pztrain.records import History
@@ -292,13 +293,15 @@ class NanPolicy(Callback):
         consecutive non-finite updates than its ``max_consecutive_errors``: it
         then applies them), training stops at the next log point.
 
-    Either way `pztrain.Checkpoints` never saves params that are not finite.
+    Either way `pztrain.Checkpoints` never saves params that are not finite, and
+    the arrays at fault are named (`pztrain.step.explain_in_run`) in the stop
+    message, or in the record's ``"nonfinite"`` when updates are skipped.
     """
 
     def __init__(self, mode: str = "stop"):
         if mode not in ("stop", "skip"):
             raise ValueError(f"mode must be 'stop' or 'skip'; got {mode!r}.")
-        self.mode = mode
+        self.mode, self.info = mode, None
 
     def on_train_start(self, state, info):
         if self.mode == "skip" and _apply_if_finite_state(state.opt_state) is None:
@@ -307,25 +310,26 @@ class NanPolicy(Callback):
                 "updates: optimizer_def=optax.apply_if_finite(tx, "
                 "max_consecutive_errors=10)."
             )
+        self.info = info
 
     def on_log(self, state, record):
-        if self.mode == "skip":
-            return self._skip(state, record)
         first = record.get("first_nonfinite_step", -1)
-        if first >= 0:
-            return Stop(f"non-finite loss at step {first}")
-        return None
+        if self.mode == "skip":
+            return self._skip(state, record, first)
+        return Stop(explain_in_run(self.info, state, first)) if first >= 0 else None
 
-    def _skip(self, state, record):
+    def _skip(self, state, record, first):
         found = _apply_if_finite_state(state.opt_state)
         if record.get("nonfinite_steps") and not all_finite(state.params):
             return Stop(
                 "optax.apply_if_finite gave up (more consecutive non-finite updates "
                 f"than its max_consecutive_errors; {int(found.notfinite_count)} in a "
-                f"row from step {record['first_nonfinite_step']}): the params are not "
+                f"row from step {first}): the params are not "
                 "finite. Raise max_consecutive_errors or find the source of the NaN."
             )
         record["metrics"]["skipped_updates"] = float(found.total_notfinite)
+        if first >= 0:
+            record["nonfinite"] = explain_in_run(self.info, state, first)
         return None
 
 

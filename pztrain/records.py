@@ -85,6 +85,8 @@ class LoopInfo:
       hparams: The hyperparameters given to `fit`.
       callbacks: The callbacks given to `fit`, in order (e.g. for a callback
         that checkpoints the others' `pztrain.Callback.state_dict`).
+      train_step: The train step given to `fit` (``None`` outside `fit`).
+      train_data: The train data given to `fit` (``None`` outside `fit`).
     """
 
     start_step: int
@@ -96,6 +98,8 @@ class LoopInfo:
     run_dir: str | None
     hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
     callbacks: tuple[Any, ...] = ()
+    train_step: Any = None
+    train_data: Any = None
 
 
 @dataclasses.dataclass

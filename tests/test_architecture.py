@@ -134,6 +134,7 @@ ROOMS = [
     "pztrain.records",
     "pztrain._optax",
     "pztrain.partition",
+    "pztrain.groups",
     "pztrain.data",
     "pztrain.metrics",
     "pztrain.summary",

@@ -465,7 +465,11 @@ def test_nan_policy_stop_names_the_first_nonfinite_step():
     state, history = run(
         new_state(nan_from=7), num_steps=20, log_every=5, callbacks=[NanPolicy("stop")]
     )
-    assert history.stop_reason == "non-finite loss at step 7"
+    assert history.stop_reason == (
+        "non-finite loss at step 7: params non-finite in ['b', 'w'] at step 10; "
+        "re-run a state from before the step with pztrain.step.find_nonfinite to "
+        "name the first"
+    )
     assert int(state.step) == 10
     first, second = history.records
     assert "nonfinite_steps" not in first and np.isfinite(first["metrics"]["loss"])
@@ -476,7 +480,7 @@ def test_nan_policy_stop_names_the_first_nonfinite_step():
     state, history = run(
         new_state(nan_from=7), num_steps=20, log_every=1, callbacks=[NanPolicy()]
     )
-    assert history.stop_reason == "non-finite loss at step 7"
+    assert history.stop_reason.startswith("non-finite loss at step 7: params non")
     assert int(state.step) == 8  # step 7 is the 8th step
 
     # Without the policy the run goes on; each interval names its first bad step.

@@ -404,4 +404,6 @@ def _info(args: FitArguments, schedule: Schedule) -> LoopInfo:
         run_dir=None if args.run_dir is None else str(args.run_dir),
         hparams=dict(args.hparams or {}),
         callbacks=tuple(args.callbacks),
+        train_step=args.train_step,
+        train_data=args.train_data,
     )

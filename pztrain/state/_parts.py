@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 
 from pztrain._tree import describe
 
-__all__ = ["check_grads", "check_key", "is_key", "owned_copy"]
+__all__ = ["check_grads", "check_key", "check_opt_state", "is_key", "owned_copy"]
 
 
 def is_key(x: Any) -> bool:
@@ -65,4 +66,83 @@ def check_grads(grads: Any, params: Any) -> None:
         )
     raise ValueError(
         f"grads must have the structure of state.params; got {g_def}, expected {p_def}."
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _expected_state(optimizer_def: Any, params_key: Any) -> tuple[Any, tuple]:
+    """The structure and leaf shapes of ``optimizer_def.init`` for params of
+    ``params_key`` (a treedef and leaf shapes and dtypes)."""
+    treedef, leaves = params_key
+    params = jax.tree.unflatten(
+        treedef, [jax.ShapeDtypeStruct(s, d) for s, d in leaves]
+    )
+    abstract = jax.eval_shape(optimizer_def.init, params)
+    flat, state_def = jax.tree.flatten(abstract)
+    return state_def, tuple(np.shape(x) for x in flat)
+
+
+def _shapes_key(params: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef, tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves)
+
+
+def check_opt_state(optimizer_def: Any, opt_state: Any, params: Any) -> None:
+    """Refuses an ``opt_state`` that ``optimizer_def.init(params)`` would not
+    make, naming the fields that differ."""
+    try:
+        hash(optimizer_def)
+        key = _shapes_key(params)
+        state_def, shapes = _expected_state(optimizer_def, key)
+    except Exception:  # an optimizer or params this check cannot judge
+        return
+    leaves, got_def = jax.tree.flatten(opt_state)
+    if got_def == state_def and tuple(np.shape(x) for x in leaves) == shapes:
+        return
+    expected = jax.eval_shape(optimizer_def.init, params)
+    raise ValueError(_opt_state_message(expected, opt_state))
+
+
+def _described(tree: Any) -> dict[str, str]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(p): describe(x) for p, x in flat}
+
+
+def _state_types(tree: Any) -> list[str]:
+    def is_state(x: Any) -> bool:
+        return isinstance(x, tuple) and hasattr(x, "_fields")
+
+    found = jax.tree.leaves(tree, is_leaf=is_state)
+    return [type(x).__name__ for x in found if is_state(x)]
+
+
+def _few(items: list[str], most: int = 4) -> str:
+    more = f" and {len(items) - most} more" if len(items) > most else ""
+    return ", ".join(items[:most]) + more
+
+
+def _opt_state_message(expected: Any, got: Any) -> str:
+    want, have = _described(expected), _described(got)
+    missing = [k for k in want if k not in have]
+    unexpected = [k for k in have if k not in want]
+    reshaped = [
+        f"{k} ({have[k]}, expected {want[k]})"
+        for k in want
+        if k in have and want[k] != have[k]
+    ]
+    parts = []
+    if missing:
+        parts.append(f"it lacks {_few(missing)}")
+    if unexpected:
+        parts.append(f"it has {_few(unexpected)}, which the optimizer does not make")
+    if reshaped:
+        parts.append(f"{_few(reshaped)} differ in shape or dtype")
+    types_want, types_have = _state_types(expected), _state_types(got)
+    if types_want != types_have:
+        parts.append(f"its states are {types_have}; the optimizer's are {types_want}")
+    return (
+        "opt_state is not a state of this optimizer (optimizer_def) for these "
+        f"params: {'; '.join(parts) or 'its structure differs'}. Build it with "
+        "optimizer_def.init(params), or replace optimizer_def= and opt_state= "
+        "together."
     )

@@ -20,7 +20,7 @@ from pztrain._optax import (
 )
 from pztrain.state import _flax
 from pztrain.state._donation import DonatedStateError, check_alive
-from pztrain.state._parts import check_grads, check_key, owned_copy
+from pztrain.state._parts import check_grads, check_key, check_opt_state, owned_copy
 from pztrain.state._struct import field_names, register, replaced
 from pztrain.state._treescope import readable_treescope
 from pztrain.summary import Summary, summarize
@@ -273,6 +273,10 @@ class TrainState(pz.Struct):
 
         Raises:
           TypeError: naming an unknown field.
+          ValueError: if a new ``opt_state`` is not what the optimizer's
+            ``init`` makes for the params, naming the fields that differ (a
+            new ``optimizer_def`` alone is checked by `apply_gradients` and
+            the train step).
         """
         names = field_names(cls := type(self))
         fields = _flax.flax_fields(self.model_without_params, fields)
@@ -280,6 +284,12 @@ class TrainState(pz.Struct):
             raise TypeError(
                 f"{cls.__name__} has no field(s) {sorted(set(fields) - names)}; its "
                 f"fields are {sorted(names)}."
+            )
+        if "opt_state" in fields:  # a lone tx= is Flax's habit: checked when used
+            check_opt_state(
+                fields.get("optimizer_def", self.optimizer_def),
+                fields.get("opt_state", self.opt_state),
+                fields.get("params", self.params),
             )
         return replaced(self, fields)
 
@@ -298,9 +308,11 @@ class TrainState(pz.Struct):
 
         Raises:
           ValueError: if ``grads`` does not match `params`, naming the missing
-            and unexpected names.
+            and unexpected names, or `opt_state` is not a state of the
+            optimizer for the params (naming the fields that differ).
         """
         check_grads(grads, self.params)
+        check_opt_state(self.optimizer_def, self.opt_state, self.params)
         params, opt_state = optimizer_update(
             self.optimizer_def, grads, self.opt_state, self.params
         )

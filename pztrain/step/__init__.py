@@ -11,19 +11,23 @@ aux)``; `build_eval_step` an `EvalStep`.
 * `pztrain.step._programs`: compiled programs per model structure and optimizer;
 * `pztrain.step._microbatches`: gradient accumulation inside the step;
 * `pztrain.step._mesh`: a step on a mesh (storage and compute layouts);
-* `pztrain.step._cost`: a compiled step's FLOPs and memory per device.
+* `pztrain.step._cost`: a compiled step's FLOPs and memory per device;
+* `pztrain.step._notes`: the inputs named on an error raised inside a step;
+* `pztrain.step._nonfinite`: the first NaN named, by re-running one step.
 """
 
 from pztrain.step._build import LossFunction, build_train_step
 from pztrain.step._cost import StepCost, StepMemory
 from pztrain.step._eval import EvalFunction, EvalStep, build_eval_step
 from pztrain.step._fns import OnDeviceBatches, StepOutputs
+from pztrain.step._nonfinite import NonFinite, explain_in_run, find_nonfinite
 from pztrain.step._train import TrainStep
 
 __all__ = [
     "EvalFunction",
     "EvalStep",
     "LossFunction",
+    "NonFinite",
     "OnDeviceBatches",
     "StepCost",
     "StepMemory",
@@ -31,4 +35,6 @@ __all__ = [
     "TrainStep",
     "build_eval_step",
     "build_train_step",
+    "explain_in_run",
+    "find_nonfinite",
 ]

@@ -12,6 +12,7 @@ from pztrain.step import _fns
 from pztrain.step._build import checked_mode
 from pztrain.step._fns import Static
 from pztrain.step._mesh import MeshLayout, mesh_of
+from pztrain.step._notes import note_inputs
 from pztrain.step._programs import OnMesh, Programs, args_of
 
 __all__ = ["EvalFunction", "EvalStep", "build_eval_step"]
@@ -62,8 +63,9 @@ class EvalStep:
         found = self._programs.lookup(state.model_without_params, mesh, state.root_rng)
         try:
             return found.program(*args_of(state, found, batch, opt_state=False))
-        except (RuntimeError, ValueError) as err:
+        except Exception as err:
             raise_if_donated(state, err, "eval_step(state, ...)")
+            note_inputs(err, state.params, batch, "eval_step(state, ...)")
             raise
 
 

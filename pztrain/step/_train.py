@@ -24,11 +24,13 @@ from pztrain.sharding import data_sharding
 from pztrain.sharding._rules import mesh_axes
 from pztrain.state import TrainState
 from pztrain.state._donation import raise_if_donated
+from pztrain.state._parts import check_opt_state
 from pztrain.state._struct import after_step, replaced
 from pztrain.step import _fns
 from pztrain.step._cost import StepCost, StepMemory, cost_of
 from pztrain.step._fns import LossFunction, Static, StepOutputs
 from pztrain.step._mesh import NO_MESH, MeshLayout
+from pztrain.step._notes import note_inputs
 from pztrain.step._programs import (
     Found,
     OnMesh,
@@ -250,6 +252,8 @@ class TrainStep:
         if last[0] is rest and last[1] is optimizer_def and last[2] is root_rng:
             found = last[3]
         else:
+            if last[1] is not optimizer_def:  # a new optimizer: is this its state?
+                check_opt_state(optimizer_def, fields["opt_state"], fields["params"])
             found = self._programs.lookup(rest, optimizer_def, root_rng)
         if self.batch_sharding is not None and isinstance(batch, Mapping):
             batch = _on_mesh(batch, self.batch_sharding)
@@ -265,8 +269,9 @@ class TrainStep:
                 rest_arrays,
                 batch,
             )
-        except (RuntimeError, ValueError) as err:
+        except Exception as err:
             raise_if_donated(state, err, "train_step(state, ...)")
+            note_inputs(err, fields["params"], batch, "train_step(state, ...)")
             raise
         if calls > 1:
             out = self._more_calls(step, out, found, batch, calls, flag)
@@ -317,7 +322,11 @@ class TrainStep:
         donates nothing. Apply the grads with ``state.apply_gradients(grads)``.
         """
         found = self._lookup(state)
-        return found.program.grads(*args_of(state, found, batch, opt_state=False))
+        try:
+            return found.program.grads(*args_of(state, found, batch, opt_state=False))
+        except Exception as err:
+            note_inputs(err, state.params, batch, "compute_grads(state, ...)")
+            raise
 
     def lower(
         self, state: TrainState, batch: Any = None, /, **arrays: Any

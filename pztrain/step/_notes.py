@@ -1,0 +1,75 @@
+"""What a step was given, added to an error raised inside it (PEP 678 notes).
+
+An error from inside the user's loss function (``dot_general requires
+contracting dimensions to have the same shape``) or the optimizer update names
+no input. `note_inputs` adds one short note listing the batch (key, dtype,
+shape) and the params (name, dtype, shape), so the wrong entry can be read off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pztrain._tree import describe, is_array_like, named_leaves
+
+__all__ = ["inputs_note", "note_inputs"]
+
+_MARK = "pztrain: the step's inputs"
+_BATCH_LINES = 5
+_PARAM_LINES = 5
+
+
+def _entry(name: str, value: Any) -> str:
+    if is_array_like(value):
+        return f"    {name}: {describe(value)}"
+    if isinstance(value, list | tuple):
+        return (
+            f"    {name}: a Python {type(value).__name__} of {len(value)} (a batch "
+            "holds arrays: np.asarray it)"
+        )
+    return f"    {name}: {describe(value)}"
+
+
+def _lines(title: str, entries: list[tuple[str, Any]], most: int) -> list[str]:
+    lines = [f"  {title} ({len(entries)}):"]
+    lines += [_entry(name, value) for name, value in entries[:most]]
+    if len(entries) > most:
+        lines.append(f"    ... and {len(entries) - most} more")
+    return lines
+
+
+def inputs_note(params: Any, batch: Any, where: str) -> str:
+    """The note: at most 15 lines (5 batch entries, 5 params, then a count).
+
+    Example:
+      >>> import numpy as np
+      >>> print(inputs_note({"w": np.zeros((4, 1), np.float32)},
+      ...                   {"x": np.zeros((8, 5), np.float32), "y": [1.0, 2.0]},
+      ...                   "train_step"))
+      pztrain: the step's inputs when train_step raised:
+        batch (2):
+          x: float32[8, 5]
+          y: a Python list of 2 (a batch holds arrays: np.asarray it)
+        params (1):
+          w: float32[4, 1]
+    """
+    if isinstance(batch, Mapping):
+        batch_entries = [(str(k), v) for k, v in batch.items()]
+        batch_lines = _lines("batch", batch_entries, _BATCH_LINES)
+    else:
+        batch_lines = [f"  batch: {type(batch).__name__}"]
+    is_leaf = lambda x: isinstance(x, list | tuple) and not x  # noqa: E731
+    params_lines = _lines("params", named_leaves(params, is_leaf), _PARAM_LINES)
+    return "\n".join([f"{_MARK} when {where} raised:", *batch_lines, *params_lines])
+
+
+def note_inputs(err: BaseException, params: Any, batch: Any, where: str) -> None:
+    """Adds `inputs_note` to ``err`` once (a nested step does not add another)."""
+    if any(note.startswith(_MARK) for note in getattr(err, "__notes__", ())):
+        return
+    try:
+        note = inputs_note(params, batch, where)
+    except Exception:  # a note must never hide the error itself
+        return
+    err.add_note(note)
