@@ -12,6 +12,8 @@ marked slow.
 from __future__ import annotations
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -37,7 +39,9 @@ def python_blocks(path: Path) -> list[tuple[int, str]]:
 
 def run_page(path: Path, workdir: Path, monkeypatch) -> None:
     monkeypatch.chdir(workdir)
-    namespace: dict = {"__name__": f"page:{path.name}"}
+    page = types.ModuleType(f"docs_page_{path.stem}")  # dataclasses look it up
+    monkeypatch.setitem(sys.modules, page.__name__, page)
+    namespace = page.__dict__
     for line, code in python_blocks(path):
         shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
         where = f"{shown}:{line}"
