@@ -130,7 +130,13 @@ def _documented_home(app, env, node, contnode):
         if getattr(sys.modules[mod2], attr2, None) is obj:
             node["reftarget"] = other
             return domain.resolve_xref(
-                env, node.get("refdoc"), app.builder, node["reftype"], other, node, contnode
+                env,
+                node.get("refdoc"),
+                app.builder,
+                node["reftype"],
+                other,
+                node,
+                contnode,
             )
     return None
 

@@ -60,7 +60,10 @@ def missing_entries(module: str, api: Path = API) -> list[str]:
         obj = getattr(mod, name)
         full = f"{module}.{name}"
         if inspect.ismodule(obj):
-            ok = links.get(name) == obj.__name__ and (api / f"{obj.__name__}.md").exists()
+            ok = (
+                links.get(name) == obj.__name__
+                and (api / f"{obj.__name__}.md").exists()
+            )
         elif full in direct:
             ok = True
         else:
