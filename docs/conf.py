@@ -72,6 +72,8 @@ napoleon_numpy_docstring = False
 
 html_theme = "sphinx_book_theme"
 html_title = "pztrain"
+html_static_path = ["_static"]
+html_css_files = ["wide.css"]
 html_theme_options = {
     "show_toc_level": 2,
     "navigation_with_keys": False,
