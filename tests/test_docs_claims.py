@@ -54,3 +54,17 @@ def test_bf16_compute_tracks_f32_within_half_a_percent():
     source = (ROOT / "tests" / "test_precision.py").read_text()
     assert "assert 0 < gap.max() < 0.005 * f32[0]" in source
     assert "f32, _ = _losses(_mse, _mlp(), 100, batch)" in source  # 100 steps
+
+
+def test_elastic_restarts_are_the_topologies_the_test_runs():
+    _says("stops.md", "1 × 1 and 2 × 1, and one written by 1 × 4 resumes on 2 × 2")
+    _says("stops.md", "each within 1e-5 of the uninterrupted run")
+    source = (ROOT / "tests" / "test_stops_multiprocess.py").read_text()
+    for pair in [
+        '(1, 4): copy_run(tmp_path / "2x2"',
+        '(1, 1): copy_run(tmp_path / "2x2"',
+        '(2, 1): copy_run(tmp_path / "2x2"',
+        '(2, 2): copy_run(tmp_path / "1x4"',
+    ]:
+        assert pair in source, pair
+    assert "def assert_close(got: dict, want: dict, atol=1e-5)" in source
