@@ -47,7 +47,7 @@ class Checkpoints(Callback):
     KeyboardInterrupt included; outside them, `save` returns once the
     checkpoint is on disk, so a program that ends right after it loses nothing.
 
-    Its guarantees are listed in README's checkpoint section.
+    Its guarantees are listed in the checkpoints guide (docs/guides/checkpoints.md).
 
     Args:
       directory: The root directory; each checkpoint is ``<directory>/<step>``.

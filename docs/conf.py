@@ -1,0 +1,148 @@
+"""Sphinx configuration of pztrain's documentation site.
+
+Build with ``sphinx-build -W -b html docs docs/_build/html`` (``pip install -e
+".[docs]"`` first). The notebooks of ``notebooks/`` are copied into
+``docs/notebooks/`` (git-ignored) and executed by myst-nb through jupyter-cache:
+a rebuild with unchanged notebooks runs none of them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+ROOT = DOCS.parent
+sys.path.insert(0, str(ROOT))  # this checkout's pztrain, installed or not
+
+
+def _copy_notebooks() -> None:
+    """Every ``notebooks/*.ipynb`` gets a page: copied when its bytes changed."""
+    target = DOCS / "notebooks"
+    target.mkdir(exist_ok=True)
+    sources = {p.name: p for p in (ROOT / "notebooks").glob("*.ipynb")}
+    for stale in target.glob("*.ipynb"):
+        if stale.name not in sources:
+            stale.unlink()
+    for name, source in sources.items():
+        copy = target / name
+        if not copy.exists() or copy.read_bytes() != source.read_bytes():
+            shutil.copyfile(source, copy)
+
+
+_copy_notebooks()
+
+import pztrain  # noqa: E402
+
+project = "pztrain"
+author = "pztrain contributors"
+copyright = "pztrain contributors"  # noqa: A001
+release = pztrain.__version__
+
+extensions = [
+    "myst_nb",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.viewcode",
+]
+
+exclude_patterns = ["_build", "**.ipynb_checkpoints", "jupyter_execute"]
+suppress_warnings = ["mystnb.unknown_mime_type"]  # treescope's and tqdm's widget JSON
+
+# Notebooks: executed at build time through jupyter-cache (docs/_build/.jupyter_cache),
+# each in a temporary working directory; a cell that raises fails the build, naming
+# the notebook and the cell.
+nb_execution_mode = "cache"
+nb_execution_timeout = 600
+nb_execution_raise_on_error = True
+nb_execution_show_tb = True
+nb_execution_in_temp = True
+nb_merge_streams = True
+
+myst_enable_extensions = ["colon_fence", "deflist"]
+myst_heading_anchors = 3
+
+# The API reference: signatures, Google-style docstrings and their examples.
+autodoc_member_order = "bysource"
+autodoc_typehints = "signature"
+autodoc_default_options = {"members": True, "show-inheritance": False}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+html_theme = "sphinx_book_theme"
+html_title = "pztrain"
+html_static_path = ["_static"]
+html_css_files = ["wide.css"]
+html_theme_options = {
+    "show_toc_level": 2,
+    "navigation_with_keys": False,
+}
+
+# Every reference to a pztrain name must resolve (a missing API entry is an error);
+# references to other libraries' types (jax, optax, numpy, typing) are not checked.
+nitpicky = True
+nitpick_ignore_regex = [(r"py:.*", r"^(?!pztrain\b).*")]
+napoleon_use_ivar = True  # "Attributes:" as fields: NamedTuple fields documented once
+
+
+def _attribute_doc(name: str, obj: object) -> list[str] | None:
+    """A re-exported constant's docstring, from the module that assigns it."""
+    from sphinx.pycode import ModuleAnalyzer
+
+    for modname in sorted(m for m in sys.modules if m.startswith("pztrain")):
+        module = sys.modules[modname]
+        if getattr(module, name, None) is not obj:
+            continue
+        try:
+            docs = ModuleAnalyzer.for_module(modname).find_attr_docs()
+        except Exception:  # a module without source  # noqa: BLE001
+            continue
+        if ("", name) in docs:
+            return list(docs[("", name)])
+    return None
+
+
+def _constant_docstrings(app, what, name, obj, options, lines):
+    if what == "data" and lines and type(obj).__doc__ and lines[0] in type(obj).__doc__:
+        lines[:] = _attribute_doc(name.rsplit(".", 1)[-1], obj) or []
+
+
+def _documented_home(app, env, node, contnode):
+    """``pztrain.step.TrainStep`` resolves to the one entry of that object
+    (``pztrain.TrainStep``): each object is documented once, under its first
+    public name."""
+    target = node.get("reftarget", "")
+    if node.get("refdomain") != "py" or not target.startswith("pztrain."):
+        return None
+    import importlib
+
+    modname, _, attr = target.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(modname), attr)
+    except (ImportError, AttributeError):
+        return None
+    domain = env.get_domain("py")
+    for other in domain.objects:
+        if other == target or not other.startswith("pztrain."):
+            continue
+        mod2, _, attr2 = other.rpartition(".")
+        if attr2 != attr or mod2 not in sys.modules:
+            continue
+        if getattr(sys.modules[mod2], attr2, None) is obj:
+            node["reftarget"] = other
+            return domain.resolve_xref(
+                env,
+                node.get("refdoc"),
+                app.builder,
+                node["reftype"],
+                other,
+                node,
+                contnode,
+            )
+    return None
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _constant_docstrings)
+    app.connect("missing-reference", _documented_home)
