@@ -240,6 +240,13 @@ class TrainState(pz.Struct):
         update on (donating steps too). Unknown names, a name injected twice or
         following a schedule, and a wrong shape are `ValueError` s.
 
+        The new state owns its arrays: the arrays a train step donates (step,
+        params, optimizer and loss-function state) are copied, once, so that
+        ``fit`` consuming the new state leaves this one usable. One ``state0``
+        can start every trial of a search (``fit(state0.with_hyperparams(
+        learning_rate=lr), ...)`` per trial); the copy holds the state's arrays
+        a second time until this state is dropped.
+
         Example:
           >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
           >>> state = TrainState.initial_state({"w": jnp.zeros(2)}, tx,
@@ -251,7 +258,12 @@ class TrainState(pz.Struct):
           Array([-0.5, -0.5], dtype=float32)
         """
         self.check_not_donated("state.with_hyperparams(...)")
-        return self.replace(opt_state=set_hyperparams(self.opt_state, values))
+        opt_state = set_hyperparams(self.opt_state, values)
+        donated = (self.step, self.params, opt_state, self.loss_fn_state)
+        step, params, opt_state, lfs = owned_copy(donated, set(), always=True)
+        return self.replace(
+            step=step, params=params, opt_state=opt_state, loss_fn_state=lfs
+        )
 
     def summary(self) -> Summary:
         """The state at a glance: a row per array, totals per part, step, key.
