@@ -133,6 +133,7 @@ ROOMS = [
     "pztrain._tree",
     "pztrain.records",
     "pztrain._optax",
+    "pztrain._table",
     "pztrain.partition",
     "pztrain.data",
     "pztrain.metrics",

@@ -22,10 +22,10 @@ from pztrain.state import _flax
 from pztrain.state._donation import DonatedStateError, check_alive
 from pztrain.state._parts import check_grads, check_key, owned_copy
 from pztrain.state._struct import field_names, register, replaced
-from pztrain.state._treescope import readable_treescope
+from pztrain.state._treescope import readable_treescope, short_functions
 from pztrain.summary import Summary, summarize
 
-__all__ = ["TrainState", "DonatedStateError"]
+__all__ = ["TrainState", "DonatedStateError", "check_state"]
 
 
 class TrainState(pz.Struct):
@@ -274,8 +274,10 @@ class TrainState(pz.Struct):
         return summarize(self)
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-        """Penzai's view, unfolded by width in text (`readable_treescope`)."""
-        return readable_treescope(super().__treescope_repr__(path, subtree_renderer))
+        """Penzai's view, unfolded by width in text (`readable_treescope`), the
+        optimizer's functions by name (`short_functions`)."""
+        rendering = super().__treescope_repr__(path, short_functions(subtree_renderer))
+        return readable_treescope(rendering)
 
     # --------------------------------------------------------------- updates
 
@@ -326,3 +328,17 @@ class TrainState(pz.Struct):
 
 
 register(TrainState)
+
+
+def check_state(value: Any, where: str, optimizer: str = "") -> None:
+    """Raises a `TypeError` unless ``value`` is a `TrainState`: ``where``
+    (``"evaluate(state, ...)"``) takes one, and the error shows the line that
+    makes one from a model (with ``optimizer``; none given: for evaluation)."""
+    if not isinstance(value, TrainState):
+        use = "" if optimizer else " (for evaluation alone: the optimizer is unused)"
+        raise TypeError(
+            f"{where} takes a pztrain.TrainState, not a {type(value).__name__}. "
+            f"Make one from the model{use}: state = pztrain.TrainState."
+            f"initial_state(model, {optimizer or 'optax.identity()'}, "
+            "jax.random.key(0))"
+        )

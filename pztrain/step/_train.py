@@ -24,6 +24,7 @@ from pztrain.sharding import data_sharding
 from pztrain.sharding._rules import mesh_axes
 from pztrain.state import TrainState
 from pztrain.state._donation import raise_if_donated
+from pztrain.state._state import check_state
 from pztrain.state._struct import after_step, replaced
 from pztrain.step import _fns
 from pztrain.step._cost import StepCost, StepMemory, cost_of
@@ -185,6 +186,8 @@ class TrainStep:
           ``(new_state, aux)``; with ``steps_per_call=k`` the aux leaves are
           stacked along a leading axis ``k``.
         """
+        if not isinstance(state, TrainState):
+            check_state(state, "train_step(state, ...)", "optax.adam(1e-3)")
         if batch is None:
             batch = arrays
         elif arrays:
