@@ -134,6 +134,7 @@ ROOMS = [
     "pztrain.records",
     "pztrain._optax",
     "pztrain._table",
+    "pztrain._bar",
     "pztrain.partition",
     "pztrain.data",
     "pztrain.metrics",

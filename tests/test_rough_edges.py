@@ -7,7 +7,10 @@ treescope's text lines, the progress bar's width and first rate,
 
 from __future__ import annotations
 
+import functools
+import io
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -183,3 +186,68 @@ def test_treescope_text_runs_past_80_columns_only_for_a_name_and_its_array(
         "init=<function inject_hyperparams.<locals>" in text
     )
     assert "# Defined at" not in text  # the optimizer's functions, by name
+
+
+# ------------------------------------------------------------------ progress bar
+
+
+def _metrics_loss_fn(*, model, state, rng, x):
+    loss = jnp.mean((x @ model["w"]) ** 2)
+    names = ("loss", "a_long_metric_name", "another_metric", "learning_rate")
+    return loss, state, {name: loss for name in names}
+
+
+def _bar_lines(text: str) -> list[str]:
+    return [line for line in re.split(r"[\r\n]", text) if line.strip()]
+
+
+@pytest.mark.parametrize("columns", [60, 100])
+def test_the_progress_bar_stays_within_the_width_when_writing_to_a_file(
+    columns, monkeypatch
+):
+    tqdm = pytest.importorskip("tqdm")
+    monkeypatch.setenv("COLUMNS", str(columns))
+    out = io.StringIO()  # not a terminal: tqdm cannot read a width
+    bar = pztrain.ProgressBar(make_bar=functools.partial(tqdm.tqdm, file=out))
+    state = pztrain.TrainState.initial_state(
+        {"w": jnp.ones((3, 1))}, optax.sgd(0.1), jax.random.key(0)
+    )
+    data = pztrain.ArrayLoader({"x": np.ones((64, 3), np.float32)}, 4, seed=0)
+    pztrain.fit(
+        state,
+        pztrain.build_train_step(_metrics_loss_fn),
+        data,
+        num_steps=200,
+        log_every=20,
+        progress=bar,
+    )
+    lines = _bar_lines(out.getvalue())
+    assert lines and "200/200" in lines[-1]
+    assert max(map(len, lines)) <= columns - 1, lines
+    untrimmed = len(lines[-1].split(", loss=")[0]) + 70  # the metrics alone: 70+
+    assert untrimmed > columns - 1  # so the width was what kept it short
+
+
+def test_the_progress_bars_rate_starts_after_the_compile():
+    tqdm = pytest.importorskip("tqdm")
+    out = io.StringIO()
+    bar = pztrain.ProgressBar(make_bar=functools.partial(tqdm.tqdm, file=out))
+    info = pztrain.LoopInfo(
+        start_step=0,
+        end_step=1000,
+        steps_per_epoch=None,
+        steps_per_call=1,
+        log_every=100,
+        evaluates=False,
+        run_dir=None,
+    )
+    bar.on_train_start(None, info)
+    bar.on_advance(0, t=time.perf_counter())
+    time.sleep(1.0)  # the first call: its compile
+    first = bar.on_advance(10, t=time.perf_counter())
+    assert bar.bar.initial == 10 and bar.bar.n == 10
+    bar.on_advance(first, t=time.perf_counter())
+    meter = tqdm.tqdm.format_meter(**bar.bar.format_dict)
+    rate = float(re.search(r"([\d.]+)step/s", meter).group(1))
+    assert rate > 50, meter  # with the compile counted: under 20 step/s
+    bar.on_train_end(None, None)
