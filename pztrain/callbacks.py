@@ -163,7 +163,12 @@ class EarlyStopping(Callback):
       patience: Checks without improvement before stopping.
       min_delta: The least change that counts as an improvement.
       restore_best: Finish with the params of the best check (kept as a copy on
-        device, so donation cannot delete them).
+        device, so donation cannot delete them). Only the params go back:
+        ``state.step``, the optimizer state and the history's last records
+        stay those of the stopping point (``step`` counts the updates made,
+        and the data position, the keys and the schedules follow it), so
+        ``state.step`` is not `best_step`; the best check's record is the one
+        of `best_step` in the history.
 
     Attributes:
       best: The best value seen.

@@ -11,6 +11,8 @@ import functools
 import io
 import re
 import time
+import tomllib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +20,13 @@ import numpy as np
 import optax
 import pytest
 import treescope
+from packaging.requirements import Requirement
 from penzai.models import simple_mlp
 from penzai.models.transformer.variants import llamalike_common
 
 import pztrain
 
+ROOT = Path(__file__).resolve().parents[1]
 MAKE_STATE = (
     "state = pztrain.TrainState.initial_state(model, optax.identity(), "
     "jax.random.key(0))"
@@ -251,3 +255,54 @@ def test_the_progress_bars_rate_starts_after_the_compile():
     rate = float(re.search(r"([\d.]+)step/s", meter).group(1))
     assert rate > 50, meter  # with the compile counted: under 20 step/s
     bar.on_train_end(None, None)
+
+
+# ------------------------------------------------------------------ EarlyStopping
+
+
+def _drift_loss(*, model, state, rng, x):
+    loss = jnp.sum(model["w"]) + 0 * jnp.sum(x)  # w falls by lr at each step
+    return loss, state, {"loss": loss}
+
+
+def _distance_to_best(*, model, state, rng, x):
+    return {"gap": jnp.sum((model["w"] + 0.3) ** 2)}  # 0 at step 3
+
+
+def test_restore_best_gives_back_the_params_and_keeps_the_step_as_documented():
+    stopper = pztrain.EarlyStopping("eval/gap", patience=2, restore_best=True)
+    state = pztrain.TrainState.initial_state(
+        {"w": jnp.zeros(())}, optax.sgd(0.1), jax.random.key(0)
+    )
+    data = [{"x": np.ones(2, np.float32)}] * 20
+    state, history = pztrain.fit(
+        state,
+        pztrain.build_train_step(_drift_loss),
+        data,
+        num_steps=20,
+        log_every=1,
+        eval_step=pztrain.build_eval_step(_distance_to_best),
+        eval_data=data[:1],
+        eval_every=1,
+        callbacks=[stopper],
+        progress=False,
+    )
+    assert stopper.best_step == 3
+    assert float(state.params["w"]) == pytest.approx(-0.3)  # the best params
+    assert int(state.step) == 5  # the stopping point, as the docstring says
+    assert history.last("eval")["step"] == 5
+    best = [r for r in history.records if r["split"] == "eval" and r["step"] == 3]
+    assert best[0]["metrics"]["gap"] == pytest.approx(stopper.best, abs=1e-6)
+    doc = " ".join(pztrain.EarlyStopping.__doc__.split())
+    assert "so ``state.step`` is not `best_step`" in doc
+
+
+# ------------------------------------------------------------------ extras
+
+
+def test_the_notebooks_extra_installs_jupyter_and_nbconvert():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extra = pyproject["project"]["optional-dependencies"]["notebooks"]
+    names = {Requirement(r).name for r in extra}  # each a valid requirement
+    assert names & {"notebook", "jupyterlab"}, names  # opens the notebooks
+    assert {"nbconvert", "ipykernel", "nbclient"} <= names, names
