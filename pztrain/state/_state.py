@@ -20,7 +20,7 @@ from pztrain._optax import (
 )
 from pztrain.state import _flax
 from pztrain.state._donation import DonatedStateError, check_alive
-from pztrain.state._parts import check_grads, check_key, owned_copy
+from pztrain.state._parts import check_grads, check_key, owned_copy, placed_like
 from pztrain.state._struct import field_names, register, replaced
 from pztrain.state._treescope import readable_treescope, short_functions
 from pztrain.summary import Summary, summarize
@@ -245,7 +245,8 @@ class TrainState(pz.Struct):
         ``fit`` consuming the new state leaves this one usable. One ``state0``
         can start every trial of a search (``fit(state0.with_hyperparams(
         learning_rate=lr), ...)`` per trial); the copy holds the state's arrays
-        a second time until this state is dropped.
+        a second time until this state is dropped. On a mesh, each array keeps
+        its sharding.
 
         Example:
           >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
@@ -258,7 +259,7 @@ class TrainState(pz.Struct):
           Array([-0.5, -0.5], dtype=float32)
         """
         self.check_not_donated("state.with_hyperparams(...)")
-        opt_state = set_hyperparams(self.opt_state, values)
+        opt_state = placed_like(set_hyperparams(self.opt_state, values), self.opt_state)
         donated = (self.step, self.params, opt_state, self.loss_fn_state)
         step, params, opt_state, lfs = owned_copy(donated, set(), always=True)
         return self.replace(
