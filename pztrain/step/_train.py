@@ -257,7 +257,8 @@ class TrainStep:
         if self.batch_sharding is not None and isinstance(batch, Mapping):
             batch = _on_mesh(batch, self.batch_sharding)
         step, _, rest_arrays, key_data, _ = found
-        if fields["step"].is_deleted():  # before XLA logs its own error
+        is_deleted = getattr(fields["step"], "is_deleted", None)  # not a tracer
+        if is_deleted is not None and is_deleted():  # before XLA logs its error
             state.check_not_donated("train_step(state, ...)")
         try:
             out = step(
