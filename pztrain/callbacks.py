@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pztrain._bar import fit_width, pace, restart_clock, tqdm_bar
 from pztrain._optax import states_of
 from pztrain._tree import all_finite
 from pztrain.records import LoopInfo, Stop
@@ -163,7 +164,12 @@ class EarlyStopping(Callback):
       patience: Checks without improvement before stopping.
       min_delta: The least change that counts as an improvement.
       restore_best: Finish with the params of the best check (kept as a copy on
-        device, so donation cannot delete them).
+        device, so donation cannot delete them). Only the params go back:
+        ``state.step``, the optimizer state and the history's last records
+        stay those of the stopping point (``step`` counts the updates made,
+        and the data position, the keys and the schedules follow it), so
+        ``state.step`` is not `best_step`; the best check's record is the one
+        of `best_step` in the history.
 
     Attributes:
       best: The best value seen.
@@ -345,6 +351,9 @@ class ProgressBar(Callback):
     time at the step rate it has seen (ten times per log interval at first),
     moves there, and shows the last train metrics (the loss, the learning rate
     when logged) with the last eval metrics. It reads nothing from the device.
+    Its line stays within the terminal's width (written to a pipe or a file:
+    ``COLUMNS``, else 80 characters), and its rate and ETA count from its first
+    move, after the compile.
 
     Args:
       metrics: Names to show (default: all train metrics).
@@ -384,28 +393,22 @@ class ProgressBar(Callback):
         self._k = 1
         self._every = 1
         self._last: tuple[int, float] | None = None
+        self._timed = False  # the clock restarted after the first call
         self._train: dict[str, str] = {}  # the postfix: last train metrics
         self._eval: dict[str, str] = {}  # and last eval metrics
 
     def on_train_start(self, state, info):
-        make_bar = self._make_bar
-        if make_bar is None:
-            try:
-                from tqdm.auto import tqdm as make_bar
-            except ImportError:
-                raise ImportError(
-                    "The progress bar needs tqdm: pip install 'pztrain[progress]' "
-                    "(or pass progress=False to fit)."
-                ) from None
+        make_bar = self._make_bar or tqdm_bar
         self.bar = make_bar(
             total=info.end_step,
             initial=info.start_step,
             unit="step",
             dynamic_ncols=True,
         )
+        fit_width(self.bar)
         self._k = info.steps_per_call
         self._every = max(self._k, info.log_every // 10 // self._k * self._k)
-        self._last, self._train, self._eval = None, {}, {}
+        self._last, self._train, self._eval, self._timed = None, {}, {}, False
 
     def on_advance(self, step: int, t: float) -> int:
         """Moves the bar to ``step``; returns the step of the next move."""
@@ -413,23 +416,14 @@ class ProgressBar(Callback):
             last_step, last_t = self._last
             if step > last_step:
                 self.bar.update(step - last_step)
-                self._every = self._pace(step - last_step, t - last_t)
+                self._every = pace(
+                    self._every, self._k, self.seconds, step - last_step, t - last_t
+                )
+                if not self._timed:  # the first move: the compile is behind
+                    restart_clock(self.bar, step)
+                    self._timed = True
         self._last = (step, t)
         return (step // self._every + 1) * self._every
-
-    def _pace(self, steps: int, seconds: float) -> int:
-        """Steps between moves: about ``self.seconds`` at the rate just seen.
-
-        Each move ends the loop's run of calls, which costs a few µs: every 10
-        steps that is several % of a 30 µs step; every 0.2 s it is nothing. The
-        interval changes by at most 2x per move (the first one includes the
-        compile), and stays a multiple of ``steps_per_call``.
-        """
-        every = self._every
-        if seconds <= 0:
-            return every
-        want = min(max(steps / seconds * self.seconds, every / 2), every * 2)
-        return max(self._k, int(want) // self._k * self._k)
 
     @record_only
     def on_log(self, state, record):

@@ -1,7 +1,7 @@
 """The state at a glance: `summarize` (``state.summary()``) and treescope's view.
 
 `summarize` lists every array of the model, one row each (name, shape, dtype,
-count, bytes, trainable / frozen / state / buffer with a Flax NNX variable's
+count, bytes, trainable / frozen / state / constant / buffer with a Flax NNX variable's
 type, and the sharding when a state is placed on a mesh), then the totals of
 each part of the state, the step and the key. Typed PRNG key arrays show as
 ``key<fry>`` with the bytes of their key data. The result, a `Summary`, is a
@@ -22,9 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from penzai import pz
 from penzai.core import variables as pz_vars
 from treescope import rendering_parts
 
+from pztrain._table import html_table, text_table
 from pztrain._tree import describe, is_array, is_float_array, named_leaves, path_name
 from pztrain.partition import NnxModel, ParamSlot
 
@@ -61,10 +63,14 @@ class ParamRow:
       dtype: The dtype's name.
       count: The number of values.
       nbytes: The bytes it takes.
-      kind: ``"trainable"`` (in ``state.params``), ``"frozen"`` (a float array
-        or a penzai or NNX parameter left in the model), ``"state"`` (a penzai
-        state variable, or a Flax NNX variable that is not an ``nnx.Param``) or
-        ``"buffer"`` (any other array, e.g. integer indices or a key).
+      kind: ``"trainable"`` (in ``state.params``), ``"frozen"`` (a penzai or
+        NNX parameter left in the model, or a float array that the
+        ``trainable`` filter left out of another model), ``"state"`` (a penzai
+        state variable, or a Flax NNX variable that is not an ``nnx.Param``),
+        ``"constant"`` (an array a penzai model holds outside any variable:
+        ``ConstantRescale``'s ``by``, an attention mask's
+        ``masked_out_value``) or ``"buffer"`` (any other array, e.g. integer
+        indices or a key).
       sharding: The ``PartitionSpec`` of a ``NamedSharding`` (``"P('data',
         None)"``), a description of another multi-device sharding, or ``None``.
       variable: A Flax NNX model's variable type (``"Param"``,
@@ -142,6 +148,15 @@ def _nnx_types(rest: Any) -> dict[str, str]:
     return dict(zip(rest.names, rest.types, strict=True))
 
 
+def _kind(leaf: Any, penzai: bool) -> str:
+    """A plain array of the rest: in a penzai model a constant (``by`` of
+    ``ConstantRescale``, ``masked_out_value`` …), else a frozen param (a float
+    array the ``trainable`` filter left out) or a buffer."""
+    if penzai:
+        return "constant"
+    return "frozen" if is_float_array(leaf) else "buffer"
+
+
 def _rest_rows(rest: Any) -> list[ParamRow]:
     """The arrays of ``model_without_params``: frozen params, state, buffers."""
     if isinstance(rest, NnxModel):
@@ -150,11 +165,11 @@ def _rest_rows(rest: Any) -> list[ParamRow]:
     is_var = lambda x: isinstance(x, types)  # noqa: E731
     rows: list[ParamRow] = []
     labels: set[str] = set()
+    penzai = isinstance(rest, pz.Struct)  # its params are variables
     for path, leaf in jax.tree_util.tree_flatten_with_path(rest, is_leaf=is_var)[0]:
         if not is_var(leaf):
             if is_array(leaf):
-                kind = "frozen" if is_float_array(leaf) else "buffer"
-                rows.append(_row(path_name(path) or "root", leaf, kind))
+                rows.append(_row(path_name(path) or "root", leaf, _kind(leaf, penzai)))
             continue
         label = str(getattr(leaf, "label", None) or leaf.name)
         if label not in labels:  # a shared variable, listed once
@@ -285,30 +300,6 @@ def _row_cells(rows: Sequence[ParamRow], sharded: bool) -> list[tuple[str, ...]]
     return cells
 
 
-def _text_table(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
-    numeric = {"count", "bytes", "arrays", "values", "per device"}
-    widths = [max(len(c[i]) for c in [header, *cells]) for i in range(len(header))]
-
-    def line(cell: Sequence[str]) -> str:
-        parts = [
-            c.rjust(w) if h in numeric else c.ljust(w)
-            for c, w, h in zip(cell, widths, header, strict=True)
-        ]
-        return "  ".join(parts).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(header), rule, *map(line, cells)])
-
-
-def _html_table(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cell) + "</tr>"
-        for cell in cells
-    )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
 class Summary(str):
     """The text of ``state.summary()``: a ``str`` that notebooks show as HTML.
 
@@ -337,9 +328,9 @@ class Summary(str):
             [
                 title,
                 "",
-                _text_table(header, _row_cells(rows, sharded)),
+                text_table(header, _row_cells(rows, sharded), "name"),
                 "",
-                _text_table(_TOTAL_HEADER, totals),
+                text_table(_TOTAL_HEADER, totals, "contents"),
                 "",
                 f"step: {step}",
                 f"key:  {key}",
@@ -366,8 +357,8 @@ class Summary(str):
         sharded = len(self._header) > len(_ROW_HEADER)
         return (
             f"<div><p>{html.escape(self.title)}</p>"
-            + _html_table(self._header, _row_cells(self.rows, sharded))
-            + _html_table(_TOTAL_HEADER, self.totals)
+            + html_table(self._header, _row_cells(self.rows, sharded))
+            + html_table(_TOTAL_HEADER, self.totals)
             + f"<p>step: {self.step}<br>key: {html.escape(self.key)}</p></div>"
         )
 

@@ -135,6 +135,32 @@ def test_fit_keeps_every_sharding():
     assert shardings_of(state) == before and int(state.step) == 13
 
 
+def test_with_hyperparams_copies_keep_every_sharding():
+    """One sharded state0 starts two fits (issue 25): the copies that
+    with_hyperparams makes keep each array's sharding, and state0 stays."""
+    m = mesh()
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+
+    def make():
+        return pztrain.TrainState.initial_state(
+            make_state().params, tx, jax.random.key(1)
+        )
+
+    state0 = sharded_initial_state(make, m, ShardingRules(fsdp="data"))
+    params_before = shardings_of(state0.params)
+    x, y = batches(4, 64)
+    loader = pztrain.ArrayLoader({"x": x.reshape(-1, 16), "y": y.reshape(-1, 4)}, 32)
+    step = pztrain.build_train_step(loss_fn, mesh=m)
+    for lr in (1e-2, 1e-3):
+        state = state0.with_hyperparams(learning_rate=lr)
+        assert shardings_of(state.params) == params_before
+        assert shardings_of(state.opt_state) == shardings_of(state0.opt_state)
+        state, _ = pztrain.fit(state, step, loader, num_steps=4, progress=False)
+        assert shardings_of(state.params) == params_before
+        assert int(state.step) == 4
+    assert int(state0.step) == 0 and not state0.params["w1"].is_deleted()
+
+
 def test_compiled_steps_have_the_expected_collectives():
     found = {}
     for layout, (shape, names, rules) in LAYOUTS.items():

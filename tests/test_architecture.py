@@ -133,6 +133,8 @@ ROOMS = [
     "pztrain._tree",
     "pztrain.records",
     "pztrain._optax",
+    "pztrain._table",
+    "pztrain._bar",
     "pztrain.partition",
     "pztrain.groups",
     "pztrain.data",

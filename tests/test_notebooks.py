@@ -1,15 +1,18 @@
-"""Every notebook in ``notebooks/`` runs from top to bottom in a fresh kernel.
+"""Every notebook in ``notebooks/`` runs from top to bottom twice in one kernel.
 
-Each notebook asserts its own results (an accuracy, equal predictions, pruned
-trials); here a notebook fails when any cell raises, or when a cell writes to
-stderr (a warning, tqdm's "IProgress not found"). The kernel is this
-interpreter's ipykernel (a kernel spec written for ``sys.executable``) and
-imports pztrain from this checkout; it runs in a temporary directory.
+A reader presses "Run All" twice: nothing the first run wrote stops the second,
+and nothing is left in the notebook's directory or the checkout. Each notebook
+asserts its own results (an accuracy, equal predictions, pruned trials); here a
+notebook fails when any cell raises, or when a cell writes to stderr (a warning,
+tqdm's "IProgress not found"). The kernel is this interpreter's ipykernel (a
+kernel spec written for ``sys.executable``) and imports pztrain from this
+checkout; it runs in a temporary directory.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -54,8 +57,34 @@ def _outputs(nb, output_type, name=None):
     ]
 
 
+def _run_all(client: NotebookClient, nb) -> None:
+    """Runs every code cell in order ("Run All"); a cell that raises or writes
+    to stderr fails the test, naming the cell."""
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            client.execute_cell(cell, index)  # raises CellExecutionError
+    assert not _outputs(nb, "error")
+    stderr = [
+        f"{source}\n--- wrote to stderr:\n{out.text}"
+        for source, out in _outputs(nb, "stream", "stderr")
+    ]
+    assert not stderr, "\n\n".join(stderr)
+
+
+def _untracked() -> str:
+    """What ``git status`` shows in the checkout (a notebook leaves nothing)."""
+    return subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path, tmp_path, kernel_env):
+def test_notebook_runs_twice_in_one_kernel(path, tmp_path, kernel_env):
+    before = _untracked()
     nb = nbformat.read(path, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell(CHECK_KERNEL))
     workdir = tmp_path / "work"
@@ -66,14 +95,12 @@ def test_notebook_runs(path, tmp_path, kernel_env):
         timeout=CELL_TIMEOUT,
         resources={"metadata": {"path": str(workdir)}},
     )
-    client.execute(env=kernel_env)  # raises CellExecutionError naming the cell
+    with client.setup_kernel(env=kernel_env):
+        _run_all(client, nb)
+        _run_all(client, nb)  # the outputs in nb are the second run's
 
-    assert not _outputs(nb, "error")
-    stderr = [
-        f"{source}\n--- wrote to stderr:\n{out.text}"
-        for source, out in _outputs(nb, "stream", "stderr")
-    ]
-    assert not stderr, "\n\n".join(stderr)
+    assert list(workdir.iterdir()) == []
+    assert _untracked() == before
     executable, pztrain_file = nb.cells[-1].outputs[0].text.split()
     assert Path(executable) == Path(sys.executable)
     assert Path(pztrain_file).is_relative_to(ROOT / "pztrain"), pztrain_file

@@ -17,6 +17,7 @@ from pztrain.loop._schedule import check_eval_every_epochs
 from pztrain.loop._signals import check_signals
 from pztrain.loop._sources import check_epochs, data_callbacks
 from pztrain.state import TrainState
+from pztrain.state._donation import note_consumer
 from pztrain.step import EvalStep, TrainStep
 
 __all__ = ["FitArguments"]
@@ -154,6 +155,8 @@ def _check_parts(state, train_step, train_data, eval_step, eval_data, hparams) -
         if not isinstance(value, kind):
             raise TypeError(f"{name} must be {what}; got {type(value).__name__}.")
     state.check_not_donated("fit(state, ...)")
+    donated = (state.step, state.params, state.opt_state, state.loss_fn_state)
+    note_consumer(donated, "pztrain.fit(...)")  # named if the state is used again
     for name, data in (("train_data", train_data), ("eval_data", eval_data)):
         if isinstance(data, Mapping):
             raise TypeError(

@@ -15,6 +15,7 @@ from pztrain.data._kinds import as_fit_data
 from pztrain.loop._hooks import host_reads
 from pztrain.loop._signals import StopFlag, stop_signals
 from pztrain.state import TrainState
+from pztrain.state._state import check_state
 from pztrain.step import EvalStep
 
 __all__ = ["evaluate", "evaluate_until"]
@@ -33,7 +34,10 @@ def evaluate(state: TrainState, eval_step: EvalStep, data: Iterable[Any]) -> dic
     stay on device; the host reads them once, at the end.
 
     Args:
-      state: The state to evaluate.
+      state: The state to evaluate, a `pztrain.TrainState`. To evaluate a
+        model alone, make one (its optimizer is not used):
+        ``pztrain.TrainState.initial_state(model, optax.identity(),
+        jax.random.key(0))``.
       eval_step: From `pztrain.build_eval_step`; its metrics are scalars.
       data: A `pztrain.ArrayLoader` or `pztrain.GrainLoader` (one pass, in
         order: its epoch 0; with a ``sharding``, each batch is split over the
@@ -45,6 +49,7 @@ def evaluate(state: TrainState, eval_step: EvalStep, data: Iterable[Any]) -> dic
       Metric name → float mean over all examples.
 
     Raises:
+      TypeError: if ``state`` is not a `pztrain.TrainState` (a model, say).
       BatchError: for an empty ``data`` or a bad batch.
       KeyboardInterrupt: at the batch after a SIGINT (in the main thread; see
         `pztrain.fit` for signals).
@@ -63,6 +68,7 @@ def evaluate_until(
     state: TrainState, eval_step: EvalStep, data: Iterable[Any], flag: StopFlag
 ) -> dict | None:
     """`evaluate`, or ``None`` if ``flag`` asks to stop before a batch."""
+    check_state(state, "evaluate(state, ...)")
     data = as_fit_data(data, "data", train=False)
     sums, total = None, 0
     sharding = data.batch_sharding() if isinstance(data, StepLoader) else None

@@ -1,16 +1,70 @@
-"""Donation: a train step consumes the arrays of the state it is given."""
+"""Donation: a train step consumes the arrays of the state it is given.
+
+States share arrays: ``state.replace(...)`` keeps every array it does not
+replace, so the new state and the old one hold the same buffers, and a step
+that consumes one consumes both. `note_consumer` remembers which call (`fit`,
+at a line of the user's code) was given a state's arrays, so that the error of
+a later use names it.
+"""
 
 from __future__ import annotations
 
+import sys
+import weakref
+from pathlib import Path
 from typing import Any
 
 import jax
 
-__all__ = ["DonatedStateError", "check_alive", "raise_if_donated"]
+__all__ = ["DonatedStateError", "check_alive", "note_consumer", "raise_if_donated"]
+
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+# id(array) -> (a weak reference to it, the call it was given to)
+_CONSUMERS: dict[int, tuple[weakref.ref, str]] = {}
 
 
 class DonatedStateError(RuntimeError):
     """A state whose arrays were donated to a train step was used again."""
+
+
+def _forget(key: int) -> Any:
+    return lambda _: _CONSUMERS.pop(key, None)
+
+
+def _inside(frame: Any) -> bool:
+    """A frame of pztrain's code (a generated ``__init__`` of its classes too)."""
+    module = frame.f_globals.get("__name__") or ""
+    return module.partition(".")[0] == "pztrain" or frame.f_code.co_filename.startswith(
+        _PACKAGE
+    )
+
+
+def caller() -> str:
+    """``file:line`` of the innermost frame outside pztrain (the user's call)."""
+    frame = sys._getframe(1)
+    while frame is not None and _inside(frame):
+        frame = frame.f_back
+    if frame is None:
+        return "an unknown place"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def note_consumer(tree: Any, call: str) -> None:
+    """Remembers that ``call`` (e.g. ``"pztrain.fit(...)"``) will donate the
+    arrays of ``tree``, with the place in the user's code it was called from."""
+    where = f"{call} called at {caller()}"
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            key = id(leaf)
+            _CONSUMERS[key] = (weakref.ref(leaf, _forget(key)), where)
+
+
+def _consumer(leaves: list[Any]) -> str | None:
+    for leaf in leaves:
+        ref, where = _CONSUMERS.get(id(leaf), (None, None))
+        if ref is not None and ref() is leaf:
+            return where
+    return None
 
 
 def check_alive(tree: Any, where: str, what: str = "these arrays") -> None:
@@ -22,14 +76,23 @@ def check_alive(tree: Any, where: str, what: str = "these arrays") -> None:
       what: What they are, for the message.
     """
     leaves = jax.tree.leaves(tree)
-    if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
-        raise DonatedStateError(
-            f"{where}: {what} were donated to a train step and no longer exist. "
-            "Use the state that the step (or fit) returned: state, aux = "
-            "train_step(state, **batch), state, history = fit(state, ...). In a "
-            "notebook, re-run the cell that builds the state before re-running a "
-            "training cell, or build the step with donate=False to keep old states."
-        )
+    deleted = [x for x in leaves if isinstance(x, jax.Array) and x.is_deleted()]
+    if not deleted:
+        return
+    consumer = _consumer(deleted)
+    given = "" if consumer is None else f" ({consumer} was given them)"
+    raise DonatedStateError(
+        f"{where}: {what} were donated to a train step{given} and no longer "
+        "exist. A state made with state.replace(...) shares the arrays it does "
+        "not replace with the state it came from: when a step consumes one, the "
+        "other's are gone too. Use the state that the step (or fit) returned: "
+        "state, aux = train_step(state, **batch), state, history = fit(state, "
+        "...). To start several runs from one state, give each its own copy, "
+        "state0.with_hyperparams(...) (which copies) or jax.tree.map(jnp.copy, "
+        "state0). In a notebook, re-run the cell that builds the state before "
+        "re-running a training cell, or build the step with donate=False to keep "
+        "old states."
+    )
 
 
 def raise_if_donated(state: Any, err: Exception, where: str) -> None:

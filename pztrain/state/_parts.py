@@ -11,7 +11,14 @@ import numpy as np
 
 from pztrain._tree import describe
 
-__all__ = ["check_grads", "check_key", "check_opt_state", "is_key", "owned_copy"]
+__all__ = [
+    "check_grads",
+    "check_key",
+    "check_opt_state",
+    "is_key",
+    "owned_copy",
+    "placed_like",
+]
 
 
 def is_key(x: Any) -> bool:
@@ -51,6 +58,19 @@ def owned_copy(tree: Any, avoid: set[int], always: bool = False) -> Any:
         return x
 
     return jax.tree.map(own, tree)
+
+
+def placed_like(tree: Any, like: Any) -> Any:
+    """``tree``'s arrays placed as those of ``like`` (same structure) are: a
+    value set on a state on a mesh keeps the sharding of the one it replaces."""
+
+    def place(x, old):
+        if isinstance(x, jax.Array) and isinstance(old, jax.Array):
+            if x.sharding != old.sharding:
+                return jax.device_put(x, old.sharding)
+        return x
+
+    return jax.tree.map(place, tree, like)
 
 
 def check_grads(grads: Any, params: Any) -> None:

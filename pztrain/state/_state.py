@@ -20,12 +20,18 @@ from pztrain._optax import (
 )
 from pztrain.state import _flax
 from pztrain.state._donation import DonatedStateError, check_alive
-from pztrain.state._parts import check_grads, check_key, check_opt_state, owned_copy
+from pztrain.state._parts import (
+    check_grads,
+    check_key,
+    check_opt_state,
+    owned_copy,
+    placed_like,
+)
 from pztrain.state._struct import field_names, register, replaced
-from pztrain.state._treescope import readable_treescope
+from pztrain.state._treescope import readable_treescope, short_functions
 from pztrain.summary import Summary, summarize
 
-__all__ = ["TrainState", "DonatedStateError"]
+__all__ = ["TrainState", "DonatedStateError", "check_state"]
 
 
 class TrainState(pz.Struct):
@@ -240,6 +246,14 @@ class TrainState(pz.Struct):
         update on (donating steps too). Unknown names, a name injected twice or
         following a schedule, and a wrong shape are `ValueError` s.
 
+        The new state owns its arrays: the arrays a train step donates (step,
+        params, optimizer and loss-function state) are copied, once, so that
+        ``fit`` consuming the new state leaves this one usable. One ``state0``
+        can start every trial of a search (``fit(state0.with_hyperparams(
+        learning_rate=lr), ...)`` per trial); the copy holds the state's arrays
+        a second time until this state is dropped. On a mesh, each array keeps
+        its sharding.
+
         Example:
           >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
           >>> state = TrainState.initial_state({"w": jnp.zeros(2)}, tx,
@@ -251,7 +265,12 @@ class TrainState(pz.Struct):
           Array([-0.5, -0.5], dtype=float32)
         """
         self.check_not_donated("state.with_hyperparams(...)")
-        return self.replace(opt_state=set_hyperparams(self.opt_state, values))
+        opt_state = placed_like(set_hyperparams(self.opt_state, values), self.opt_state)
+        donated = (self.step, self.params, opt_state, self.loss_fn_state)
+        step, params, opt_state, lfs = owned_copy(donated, set(), always=True)
+        return self.replace(
+            step=step, params=params, opt_state=opt_state, loss_fn_state=lfs
+        )
 
     def summary(self) -> Summary:
         """The state at a glance: a row per array, totals per part, step, key.
@@ -262,8 +281,10 @@ class TrainState(pz.Struct):
         return summarize(self)
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-        """Penzai's view, unfolded by width in text (`readable_treescope`)."""
-        return readable_treescope(super().__treescope_repr__(path, subtree_renderer))
+        """Penzai's view, unfolded by width in text (`readable_treescope`), the
+        optimizer's functions by name (`short_functions`)."""
+        rendering = super().__treescope_repr__(path, short_functions(subtree_renderer))
+        return readable_treescope(rendering)
 
     # --------------------------------------------------------------- updates
 
@@ -326,3 +347,17 @@ class TrainState(pz.Struct):
 
 
 register(TrainState)
+
+
+def check_state(value: Any, where: str, optimizer: str = "") -> None:
+    """Raises a `TypeError` unless ``value`` is a `TrainState`: ``where``
+    (``"evaluate(state, ...)"``) takes one, and the error shows the line that
+    makes one from a model (with ``optimizer``; none given: for evaluation)."""
+    if not isinstance(value, TrainState):
+        use = "" if optimizer else " (for evaluation alone: the optimizer is unused)"
+        raise TypeError(
+            f"{where} takes a pztrain.TrainState, not a {type(value).__name__}. "
+            f"Make one from the model{use}: state = pztrain.TrainState."
+            f"initial_state(model, {optimizer or 'optax.identity()'}, "
+            "jax.random.key(0))"
+        )

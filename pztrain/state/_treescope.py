@@ -9,13 +9,15 @@ than a line is unfolded; the HTML view keeps treescope's foldable layout.
 
 from __future__ import annotations
 
+import inspect
 import io
 from collections.abc import Sequence
 from typing import Any
 
-from treescope import layout_algorithms, rendering_parts
+import optax
+from treescope import layout_algorithms, rendering_parts, repr_lib
 
-__all__ = ["readable_treescope"]
+__all__ = ["readable_treescope", "short_functions"]
 
 
 def _foldables(part: Any) -> list[Any]:
@@ -95,3 +97,39 @@ def readable_treescope(rendering: Any) -> Any:
     if isinstance(rendering, rendering_parts.RenderableTreePart):
         return _UnfoldedInText(rendering)
     return rendering
+
+
+class _Function:
+    """A function shown by its qualified name: no address, and no comment with
+    its source file (treescope's ``# Defined at line 78 of /…/optax/…``, which
+    made an optimizer's lines 150-200 characters long)."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+
+    def __repr__(self) -> str:
+        return f"<function {self.fn.__qualname__}>"
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        del path, subtree_renderer
+        return rendering_parts.text(repr(self))
+
+
+def short_functions(subtree_renderer: Any) -> Any:
+    """``subtree_renderer`` for a state's fields, with an optax transformation
+    (``optimizer_def``) shown as its type and its functions' qualified names:
+    ``GradientTransformationExtraArgs(init=<function chain.<locals>.init_fn>,
+    ...)``."""
+
+    def render(node: Any, path: str | None = None) -> Any:
+        if not isinstance(node, optax.GradientTransformation):
+            return subtree_renderer(node, path=path)
+        fields = {
+            name: _Function(value) if inspect.isfunction(value) else value
+            for name, value in node._asdict().items()
+        }
+        return repr_lib.render_object_constructor(
+            type(node), fields, path, subtree_renderer
+        )
+
+    return render

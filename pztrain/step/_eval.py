@@ -8,6 +8,7 @@ import jax
 
 from pztrain.state import TrainState
 from pztrain.state._donation import raise_if_donated
+from pztrain.state._state import check_state
 from pztrain.step import _fns
 from pztrain.step._build import checked_mode
 from pztrain.step._fns import Static
@@ -59,6 +60,7 @@ class EvalStep:
 
     def __call__(self, state: TrainState, **batch: Any) -> Any:
         """Returns ``eval_fn``'s metrics for ``state`` on ``batch``."""
+        check_state(state, "eval_step(state, ...)")
         mesh = mesh_of(state.params)  # the program's mesh: the state's
         found = self._programs.lookup(state.model_without_params, mesh, state.root_rng)
         try:

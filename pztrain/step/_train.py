@@ -25,6 +25,7 @@ from pztrain.sharding._rules import mesh_axes
 from pztrain.state import TrainState
 from pztrain.state._donation import raise_if_donated
 from pztrain.state._parts import check_opt_state
+from pztrain.state._state import check_state
 from pztrain.state._struct import after_step, replaced
 from pztrain.step import _fns
 from pztrain.step._cost import StepCost, StepMemory, cost_of
@@ -187,6 +188,8 @@ class TrainStep:
           ``(new_state, aux)``; with ``steps_per_call=k`` the aux leaves are
           stacked along a leading axis ``k``.
         """
+        if not isinstance(state, TrainState):
+            check_state(state, "train_step(state, ...)", "optax.adam(1e-3)")
         if batch is None:
             batch = arrays
         elif arrays:
@@ -258,6 +261,9 @@ class TrainStep:
         if self.batch_sharding is not None and isinstance(batch, Mapping):
             batch = _on_mesh(batch, self.batch_sharding)
         step, _, rest_arrays, key_data, _ = found
+        is_deleted = getattr(fields["step"], "is_deleted", None)  # not a tracer
+        if is_deleted is not None and is_deleted():  # before XLA logs its error
+            state.check_not_donated("train_step(state, ...)")
         try:
             out = step(
                 fields["step"],

@@ -1,0 +1,74 @@
+"""What pztrain asks of a tqdm progress bar beyond tqdm's own arguments.
+
+* A width: tqdm trims a bar's line to the terminal when it can read the
+  terminal's size; writing to a pipe or a log file it cannot, and a line with a
+  few metrics runs to 200 characters. `fit_width` gives such a bar the width
+  ``shutil.get_terminal_size`` reports (``COLUMNS``, else 80).
+* A clock that starts after the compile: `restart_clock` makes the rate and ETA
+  count from now on, the steps so far aside.
+* Its pace: `pace`, the steps between two moves of the bar.
+* tqdm itself, an optional dependency: `tqdm_bar` names the extra to install.
+
+A notebook's bar (a widget) sizes itself; a bar without tqdm's attributes (a
+test's fake) is left alone.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+__all__ = ["fit_width", "pace", "restart_clock", "tqdm_bar"]
+
+
+def tqdm_bar(**kwargs: Any) -> Any:
+    """``tqdm.auto.tqdm(**kwargs)`` (a notebook's widget or a text bar)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        raise ImportError(
+            "The progress bar needs tqdm: pip install 'pztrain[progress]' "
+            "(or pass progress=False to fit)."
+        ) from None
+    return tqdm(**kwargs)
+
+
+def fit_width(bar: Any) -> None:
+    """Gives a text bar that cannot read its terminal's width a fixed one."""
+    dynamic = getattr(bar, "dynamic_ncols", None)
+    if hasattr(bar, "container") or not callable(dynamic):  # a widget, a fake
+        return
+    if dynamic(bar.fp)[0] is None:  # not a terminal: tqdm would not trim
+        bar.dynamic_ncols = False
+        bar.ncols = shutil.get_terminal_size().columns - 1  # as tqdm's own
+
+
+def restart_clock(bar: Any, step: int) -> None:
+    """The bar's rate and ETA count from now, at ``step`` (the first steps,
+    which included the compile, do not count)."""
+    if not callable(getattr(bar, "reset", None)):
+        return
+    bar.reset(total=bar.total)
+    bar.initial = bar.n = bar.last_print_n = step
+    bar.refresh()
+
+
+def pace(every: int, k: int, target: float, steps: int, seconds: float) -> int:
+    """Steps between moves: about ``target`` seconds at the rate just seen
+    (``steps`` in ``seconds``), from ``every`` steps so far.
+
+    Each move ends the loop's run of calls, which costs a few µs: every 10
+    steps that is several % of a 30 µs step; every 0.2 s it is nothing. The
+    interval changes by at most 2x per move (the first one includes the
+    compile), and stays a multiple of ``k`` (the steps per call).
+
+    Example:
+      >>> pace(10, 1, 0.2, steps=10, seconds=0.001)  # fast: at most doubles
+      20
+      >>> pace(64, 4, 0.2, steps=64, seconds=1.0)  # slow: at most halves
+      32
+    """
+    if seconds <= 0:
+        return every
+    want = min(max(steps / seconds * target, every / 2), every * 2)
+    return max(k, int(want) // k * k)
