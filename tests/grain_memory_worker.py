@@ -2,7 +2,8 @@
 
 ``python grain_memory_worker.py DATA WORKERS`` writes nothing; it prints one line
 of JSON: the steps trained, the examples they covered, and the peak resident
-memory (``ru_maxrss``) of this process and of its largest grain worker, in MiB.
+memory of this process (``VmHWM``) and of its largest grain worker
+(``ru_maxrss``), in MiB.
 Each record of ``DATA`` is ``FEATURES`` float32 values (see `write`).
 """
 
@@ -65,19 +66,32 @@ def main(path: str, workers: int) -> None:
         loggers=[],
     )
     covered = {i for s in range(int(state.step)) for i in loader.example_ids(s)}
-    mib = 1024  # ru_maxrss is in KiB on Linux
+    mib = 1024  # both in KiB on Linux
     print(
         json.dumps(
             {
                 "steps": int(state.step),
                 "examples": len(covered),
                 "loss": history.series("loss")[1][-1],
-                "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / mib,
+                "rss_mib": _peak_kib() / mib,
                 "worker_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
                 / mib,
             }
         )
     )
+
+
+def _peak_kib() -> int:
+    """This process's peak resident memory since it started (``VmHWM``).
+
+    Not ``ru_maxrss``: Linux keeps that across ``exec``, so a process started
+    by a large parent (a long test session) reports the parent's size.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 if __name__ == "__main__":

@@ -65,10 +65,10 @@ def spy(step):
     seen = []
     accumulate = step.accumulate
 
-    def recording(state, sums, batch, calls=1):
+    def recording(state, sums, batch, calls=1, **kw):
         leaves = jax.tree.leaves(batch)
         seen.append((type(batch), [(a.sharding, a.ndim) for a in leaves]))
-        return accumulate(state, sums, batch, calls=calls)
+        return accumulate(state, sums, batch, calls=calls, **kw)
 
     step.accumulate = recording
     return seen

@@ -163,9 +163,9 @@ def test_fit_puts_batches_on_the_loaders_sharding(prefetch):
     step = build_train_step(_loss)
     accumulate = step.accumulate
 
-    def recording(state, sums, batch, calls=1):
+    def recording(state, sums, batch, calls=1, **kw):
         seen.append(batch["x"].sharding)
-        return accumulate(state, sums, batch, calls=calls)
+        return accumulate(state, sums, batch, calls=calls, **kw)
 
     step.accumulate = recording
     state = TrainState.initial_state(

@@ -22,12 +22,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pztrain.records import TIMING_KEYS
+
 pytestmark = pytest.mark.slow  # subprocesses
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "stops_worker.py"
 STEPS = 64
-TIMING = ("time", "steps_per_sec", "examples_per_sec")
+TIMING = TIMING_KEYS  # the record keys that depend on time
 
 
 def _free_port() -> int:
