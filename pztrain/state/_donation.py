@@ -87,9 +87,9 @@ def check_alive(tree: Any, where: str, what: str = "these arrays") -> None:
         "not replace with the state it came from: when a step consumes one, the "
         "other's are gone too. Use the state that the step (or fit) returned: "
         "state, aux = train_step(state, **batch), state, history = fit(state, "
-        "...). To start several runs from one state, give each its own copy, "
-        "state0.with_hyperparams(...) (which copies) or jax.tree.map(jnp.copy, "
-        "state0). In a notebook, re-run the cell that builds the state before "
+        "...). To start several runs from one state, give each its own copy: "
+        "state0.with_hyperparams() copies every array a step donates. In a "
+        "notebook, re-run the cell that builds the state before "
         "re-running a training cell, or build the step with donate=False to keep "
         "old states."
     )
