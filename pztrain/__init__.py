@@ -10,6 +10,7 @@ from pztrain import (
     callbacks,
     checkpoint,
     data,
+    ema,
     loggers,
     metrics,
     monitors,
@@ -41,6 +42,7 @@ from pztrain.checkpoint import (
     save_state,
 )
 from pztrain.data import ArrayLoader, BatchError, GrainLoader, put_batch
+from pztrain.ema import with_ema
 from pztrain.loggers import JsonlLogger, TensorBoardLogger
 from pztrain.loop import evaluate, fit
 from pztrain.partition import ApplyFnModel, ParamSlot, PartitionError
@@ -99,6 +101,7 @@ __all__ = [
     "callbacks",
     "checkpoint",
     "data",
+    "ema",
     "evaluate",
     "export_safetensors",
     "fit",
@@ -121,4 +124,5 @@ __all__ = [
     "sharding",
     "state_shardings",
     "summary",
+    "with_ema",
 ]
