@@ -149,6 +149,8 @@ def test_fit_evaluates_the_ema_too_and_keep_best_can_monitor_it(tmp_path):
     assert last["ema/mse"] == pytest.approx(on_ema)
     assert last["ema/mse"] != pytest.approx(last["mse"])
     assert np.isfinite(last["ema/mse"])
+    ema_step = build_eval_step(eval_fn, ema=True)
+    assert evaluate(state, ema_step, _data(16))["mse"] == pytest.approx(on_ema)
     both = evaluate(state, EVAL, _data(16), ema="both")
     assert both == pytest.approx({"mse": last["mse"], "ema/mse": on_ema})
     best = min(evals, key=lambda r: r["metrics"]["ema/mse"])["step"]
