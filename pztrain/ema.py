@@ -61,9 +61,9 @@ def ema_decay(decay: float, count: jax.Array, warmup: bool) -> jax.Array:
     """The decay of the update after ``count`` updates (float32, traceable).
 
     Example:
-      >>> float(ema_decay(0.999, jnp.int32(0), warmup=True))
+      >>> round(float(ema_decay(0.999, jnp.int32(0), warmup=True)), 6)
       0.1
-      >>> float(ema_decay(0.999, jnp.int32(0), warmup=False))
+      >>> round(float(ema_decay(0.999, jnp.int32(10**6), warmup=True)), 6)
       0.999
     """
     decay = jnp.float32(decay)
@@ -124,8 +124,7 @@ def with_ema(
             new_params,
             state.ema_params,
         )
-        count = optax.safe_increment(state.count)
-        return updates, EmaState(inner_state, count, ema)
+        return updates, EmaState(inner_state, state.count + 1, ema)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
