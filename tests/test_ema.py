@@ -280,3 +280,31 @@ def test_summary_shows_the_ema_and_shardings_place_it_like_the_params():
     rules = pztrain.ShardingRules(patterns=[("w", jax.sharding.PartitionSpec("data"))])
     shardings = pztrain.state_shardings(state, mesh, rules)
     assert shardings.opt_state.ema_params == shardings.params
+
+
+def test_injected_hyperparams_are_read_and_set_through_the_ema():
+    tx = with_ema(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), 0.9)
+    state = _state(tx).with_hyperparams(learning_rate=0.5)
+    assert float(state.hyperparams["learning_rate"]) == 0.5
+    state, _ = STEP(state, x=X[:8], y=Y[:8])
+    plain = _state(optax.sgd(0.5))
+    plain, _ = STEP(plain, x=X[:8], y=Y[:8])
+    np.testing.assert_array_equal(state.params["w"], plain.params["w"])
+
+
+def test_an_nnx_models_ema_loads_with_its_batch_statistics(tmp_path):
+    import nnx_models
+
+    tx = with_ema(optax.adam(0.01), 0.5)
+    state = TrainState.initial_state(nnx_models.mlp(), tx, jax.random.key(0))
+    step = build_train_step(nnx_models.loss_fn)
+    for seed in range(3):
+        state, _ = step(state, **nnx_models.batch(seed))
+    pztrain.save_state(tmp_path / "c", state)
+    loaded = load_params(tmp_path / "c", nnx_models.mlp(seed=7), ema=True)
+    params, _ = pztrain.partition.split(loaded)
+    assert sorted(params) == sorted(state.params)
+    for name, value in params.items():
+        np.testing.assert_array_equal(value, state.ema_params[name])
+    np.testing.assert_array_equal(loaded.bn.mean[...], state.model.bn.mean[...])
+    assert not np.allclose(loaded.bn.mean[...], 0.0)
