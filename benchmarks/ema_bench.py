@@ -4,6 +4,7 @@ Run from the repository root::
 
     python benchmarks/ema_bench.py                      # W1 and W3, ~3 minutes
     python benchmarks/ema_bench.py --workloads W3s --rounds 7 --calls 20   # smoke
+    python benchmarks/ema_bench.py --memory-against 93ad143 --workloads W0,W1,W2,W3
 
 Every implementation trains the workload of ``step_bench.py`` (same model, params,
 batch, ``optax.adam``) in this one process:
@@ -20,6 +21,11 @@ calls (blocking on the last output) in a shuffled order. A figure is the median
 over rounds of the ratio of two implementations' times in the same round, so the
 machine's drift cancels. The target: ``pztrain_ema / raw_ema <= 1.05`` on W1 and
 W3.
+
+``--memory-against REV`` prints instead the compiled step's memory
+(``TrainStep.memory``: XLA's ``memory_analysis``) with the EMA off in this
+checkout and in pztrain at git revision ``REV`` (exported as in
+``ab_revisions.py``), and with the EMA on here.
 """
 
 from __future__ import annotations
@@ -111,12 +117,50 @@ def measure(problem: sb.Problem, rounds: int, calls: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in ratios.items()}
 
 
+def memory_rows(revision: str, workloads: list[str]) -> list[str]:
+    """A markdown table: the step's memory, EMA off here and at ``revision``,
+    and EMA on here."""
+    import tempfile
+    from pathlib import Path
+
+    import ab_revisions
+
+    rows = ["| workload | step | arguments | outputs | temporaries | aliased |"]
+    rows.append("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        old = __import__(ab_revisions.export_revision(revision, Path(tmp)))
+        for name in workloads:
+            problem = sb.Problem(sb.WORKLOADS[name])
+            for label, mod, ema in (
+                (f"{revision}, no EMA", old, False),
+                ("this checkout, no EMA", pztrain, False),
+                ("this checkout, with_ema", pztrain, True),
+            ):
+                tx = optax.adam(sb.LEARNING_RATE)
+                tx = mod.with_ema(tx, DECAY) if ema else tx
+                state = mod.TrainState.initial_state(
+                    problem.penzai_v2_model(), tx, jax.random.key(sb.SEED)
+                )
+                step = mod.build_train_step(sb._penzai_loss(sb.penzai_v2_logits))
+                m = step.memory(state, **problem.batch)
+                cells = (m.arguments, m.outputs, m.temporaries, m.aliased)
+                rows.append(
+                    f"| {name} | {label} | " + " | ".join(map(str, cells)) + " |"
+                )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="W1,W3")
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--calls", type=int, default=200, help="calls per trial")
+    parser.add_argument("--memory-against", metavar="REV", default=None)
     args = parser.parse_args(argv)
+    if args.memory_against:
+        rows = memory_rows(args.memory_against, args.workloads.split(","))
+        print("\n".join(rows))
+        return 0
     print(f"time ratios (median of {args.rounds} interleaved rounds, lower = faster)")
     print("| workload | " + " | ".join(f"{a}/{b}" for a, b, _ in RATIOS) + " |")
     print("|---|" + "---|" * len(RATIOS))
