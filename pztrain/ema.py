@@ -78,6 +78,9 @@ def with_ema(
 ) -> optax.GradientTransformationExtraArgs:
     """``optimizer``, with an EMA of the params kept in its state.
 
+    Wrap the whole optimizer (outermost, e.g. around an ``optax.chain``): the
+    EMA follows the params after the updates it returns are applied.
+
     Args:
       optimizer: An optax transformation (the updates it returns are applied
         to the params as usual).

@@ -308,3 +308,19 @@ def test_an_nnx_models_ema_loads_with_its_batch_statistics(tmp_path):
         np.testing.assert_array_equal(value, state.ema_params[name])
     np.testing.assert_array_equal(loaded.bn.mean[...], state.model.bn.mean[...])
     assert not np.allclose(loaded.bn.mean[...], 0.0)
+
+
+def test_a_flax_style_states_nested_ema_loads_into_a_params_tree(tmp_path):
+    params = {"dense": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}}
+    state = TrainState.create(
+        apply_fn=lambda v, x: x @ v["params"]["dense"]["kernel"],
+        params=params,
+        tx=with_ema(optax.sgd(0.5), 0.5),
+    )
+    grads = jax.tree.map(jnp.ones_like, params)
+    state = state.apply_gradients(grads=grads)  # params 0.5 and -0.5, EMA halfway
+    pztrain.save_state(tmp_path / "c", state)
+    like = jax.tree.map(jnp.zeros_like, params)
+    got = load_params(tmp_path / "c", like, ema=True)
+    np.testing.assert_array_equal(got["dense"]["kernel"], np.full((2, 3), 0.75))
+    np.testing.assert_array_equal(got["dense"]["bias"], np.full(3, -0.25))
