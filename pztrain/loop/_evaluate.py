@@ -104,14 +104,14 @@ def _on_weights(state: TrainState, eval_step: EvalStep, ema: Any):
     """``batch -> metrics`` on the params, the EMA params, or both."""
     if ema is False:
         return lambda batch: eval_step(state, **batch)
-    if ema not in (True, "both"):
+    if not (ema is True or ema == "both"):
         raise ValueError(f"ema must be False, True or 'both'; got {ema!r}.")
     averaged = state.using_ema()
     if ema is True:
         return lambda batch: eval_step(averaged, **batch)
 
     def both(batch: dict[str, Any]) -> dict[str, Any]:
-        values = eval_step(state, **batch)
+        values = dict(named_leaves(eval_step(state, **batch)))
         return {**values, **_prefixed(eval_step(averaged, **batch))}
 
     return both
