@@ -274,10 +274,11 @@ class TrainState(pz.Struct):
         Example:
           >>> from pztrain import with_ema
           >>> state = TrainState.initial_state(
-          ...     {"w": jnp.zeros(2)}, with_ema(optax.sgd(1.0), 0.9), jax.random.key(0))
+          ...     {"w": jnp.zeros(2)}, with_ema(optax.sgd(1.0), 0.75), jax.random.key(0)
+          ... )
           >>> state = state.apply_gradients({"w": -jnp.ones(2)})
           >>> state.using_ema().model["w"]
-          Array([0.1, 0.1], dtype=float32)
+          Array([0.25, 0.25], dtype=float32)
         """
         return self.replace(params=self.ema_params)
 
