@@ -10,6 +10,7 @@ from pztrain import (
     callbacks,
     checkpoint,
     data,
+    ema,
     groups,
     loggers,
     metrics,
@@ -42,6 +43,7 @@ from pztrain.checkpoint import (
     save_state,
 )
 from pztrain.data import ArrayLoader, BatchError, GrainLoader, put_batch
+from pztrain.ema import with_ema
 from pztrain.loggers import JsonlLogger, TensorBoardLogger
 from pztrain.loop import evaluate, fit
 from pztrain.partition import ApplyFnModel, ParamSlot, PartitionError
@@ -100,6 +102,7 @@ __all__ = [
     "callbacks",
     "checkpoint",
     "data",
+    "ema",
     "evaluate",
     "export_safetensors",
     "fit",
@@ -123,4 +126,5 @@ __all__ = [
     "sharding",
     "state_shardings",
     "summary",
+    "with_ema",
 ]

@@ -167,7 +167,9 @@ class History:
         """Plots metrics against steps with matplotlib (optional extra ``plot``).
 
         One axes per metric: a train metric and the eval metric of the same name
-        share one, the learning rate has its own.
+        share one (with the EMA's, ``"ema/<name>"``: `pztrain.with_ema`), the
+        learning rate has its own, and the per-parameter grad norms
+        (``"grad_norm/<param>"``) share one, a line per parameter.
 
         Args:
           names: Metrics to plot: ``"loss"`` (train and eval) or
@@ -202,26 +204,28 @@ class History:
         cols = min(len(panels), 3) or 1
         rows = -(-len(panels) // cols)
         fig.set_size_inches(4.5 * cols, 3.2 * rows)
-        for i, (name, splits) in enumerate(panels.items()):
+        for i, (title, lines) in enumerate(panels.items()):
             ax = fig.add_subplot(rows, cols, i + 1)
-            for s in splits:
+            for s, name, label in lines:
                 ax.plot(
-                    *self.series(name, s), label=s, marker="." if s == "eval" else ""
+                    *self.series(name, s),
+                    label=label,
+                    marker="." if s == "eval" else "",
                 )
-            ax.set_title(name)
+            ax.set_title(title)
             ax.set_xlabel("step")
             ax.legend()
         fig.tight_layout()
         return fig
 
-    def _panels(self, names, split) -> dict[str, list[str]]:
-        """Metric name → the splits to draw on its axes."""
+    def _panels(self, names, split) -> dict[str, list[tuple[str, str, str]]]:
+        """Panel title → its lines: ``(split, metric name, label)``."""
         if split not in (None, "train", "eval"):
             raise ValueError(f"split must be 'train', 'eval' or None; got {split!r}.")
         splits = ("train", "eval") if split is None else (split,)
         logged = {s: self.metric_names(s) for s in splits}
         wanted = sorted(set().union(*logged.values())) if names is None else names
-        panels: dict[str, list[str]] = {}
+        panels: dict[str, list[tuple[str, str, str]]] = {}
         for entry in [wanted] if isinstance(wanted, str) else wanted:
             first, _, rest = entry.partition("/")
             only = first if rest and first in ("train", "eval") else None
@@ -233,9 +237,22 @@ class History:
                     f"{ {s: sorted(n) for s, n in logged.items()} }; name a "
                     "metric as 'loss' (every split) or 'eval/loss'."
                 )
-            panels.setdefault(name, [])
-            panels[name] += [s for s in found if s not in panels[name]]
+            title, label = _panel_of(name)
+            lines = panels.setdefault(title, [])
+            for s in found:
+                line = (s, name, label.format(split=s))
+                if line not in lines:
+                    lines.append(line)
         return panels
+
+
+def _panel_of(name: str) -> tuple[str, str]:
+    """The panel a metric is drawn on, and its line's label (``{split}``)."""
+    if name.startswith("grad_norm/"):
+        return "grad_norm per param", name.removeprefix("grad_norm/")
+    if name.startswith("ema/"):
+        return name.removeprefix("ema/"), "{split} EMA"
+    return name, "{split}"
 
 
 def read_jsonl(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

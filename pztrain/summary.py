@@ -26,8 +26,10 @@ from penzai import pz
 from penzai.core import variables as pz_vars
 from treescope import rendering_parts
 
+from pztrain._optax import states_of
 from pztrain._table import html_table, text_table
 from pztrain._tree import describe, is_array, is_float_array, named_leaves, path_name
+from pztrain.ema import EmaState
 from pztrain.partition import NnxModel, ParamSlot
 
 __all__ = [
@@ -262,12 +264,23 @@ def _field_detail(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _ema_total(opt_state: Any) -> list[tuple[str, ...]]:
+    """The row of the EMA params (part of ``opt_state``), if it keeps them."""
+    found = states_of(opt_state, EmaState)
+    if len(found) != 1:
+        return []
+    updates = int(np.asarray(found[0].count))
+    detail = f"in opt_state (with_ema), {updates:,} updates"
+    return [_total("  ema_params", found[0].ema_params, detail)]
+
+
 def _totals(state: Any) -> list[tuple[str, ...]]:
     lfs = state.loss_fn_state
     totals = [
         _total("params", state.params, ""),
         _total("model_without_params", state.model_without_params, ""),
         _total("opt_state", state.opt_state, optimizer_state_types(state.opt_state)),
+        *_ema_total(state.opt_state),
         _total("loss_fn_state", lfs, _field_detail(lfs)),
     ]
     for field in dataclasses.fields(state):

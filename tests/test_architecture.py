@@ -135,6 +135,7 @@ ROOMS = [
     "pztrain._optax",
     "pztrain._table",
     "pztrain._bar",
+    "pztrain.ema",
     "pztrain.partition",
     "pztrain.groups",
     "pztrain.data",

@@ -58,3 +58,17 @@ def test_data_benchmark_quick_mode_completes():
     out = _run("benchmarks/data_bench.py", "--quick", timeout=900)
     assert "| grain, 1 workers |" in out and "arrays on the device" in out
     assert "target: with grain workers" in out
+
+
+def test_ema_benchmark_completes():
+    out = _run(
+        "benchmarks/ema_bench.py",
+        "--workloads",
+        "W0",
+        "--rounds",
+        "3",
+        "--calls",
+        "5",
+        timeout=300,
+    )
+    assert "pztrain_ema/raw_ema" in out and "target pztrain_ema/raw_ema" in out

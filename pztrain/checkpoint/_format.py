@@ -36,6 +36,7 @@ import numpy as np
 from pztrain._tree import is_array_like, named_leaves, path_repr
 from pztrain._version import __version__
 from pztrain.checkpoint import _integrity, _orbax
+from pztrain.checkpoint._ema import stored_ema
 from pztrain.checkpoint._integrity import StoredArray
 from pztrain.checkpoint._metadata import (
     CHECKSUM,
@@ -88,6 +89,7 @@ def save_params(
     *,
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
+    ema: bool = False,
 ) -> Path:
     """Saves the params alone (arrays + JSON), named as in ``state.params``.
 
@@ -100,6 +102,7 @@ def save_params(
       state_or_params: A `TrainState` or a params pytree.
       metadata: JSON-able extra information to store.
       overwrite: Replace an existing checkpoint.
+      ema: Save a state's EMA params (`pztrain.with_ema`) as its params.
 
     Returns:
       The directory.
@@ -111,7 +114,7 @@ def save_params(
       >>> load_params(d, {"w": jnp.zeros(2)})["w"]
       Array([1., 1.], dtype=float32)
     """
-    params = params_of(state_or_params)
+    params = params_of(_weights(state_or_params, ema, "save_params"))
     check_alive(params, "save_params", "the params to save")
     return _orbax.write(Path(directory), save_args(params, None, metadata), overwrite)
 
@@ -195,7 +198,7 @@ def _state_leaves(state: TrainState) -> list[tuple[str, Any]]:
 
 
 def load_params(
-    directory: str | os.PathLike, like: Any, *, partial: bool = False
+    directory: str | os.PathLike, like: Any, *, partial: bool = False, ema: bool = False
 ) -> Any:
     """Loads params into ``like``: a `TrainState`, a model, or a params pytree.
 
@@ -216,6 +219,9 @@ def load_params(
         its target (a ``ShapeDtypeStruct`` without one: the first device).
       partial: Load only the names both sides have; others keep ``like`` 's
         values (e.g. fine-tuning a model with a new head).
+      ema: Load the EMA params (`pztrain.with_ema`) of a full-state checkpoint
+        as the params (a model's own state, such as batch statistics, comes
+        from its params as usual).
 
     Returns:
       ``like`` with the stored params.
@@ -223,7 +229,7 @@ def load_params(
     Raises:
       CheckpointMismatchError: the checkpoint is readable but holds other
         params: missing or unexpected names, a shape or dtype that differs
-        (stored vs expected), each named.
+        (stored vs expected), each named; with ``ema``, no EMA weights.
       CheckpointError: the checkpoint cannot be trusted: not a complete
         checkpoint, or array files that are missing, truncated, outside it,
         described otherwise than its JSON, or whose bytes fail their checksum
@@ -235,10 +241,15 @@ def load_params(
     stored = stored_params(meta)
     targets = dict(named_leaves(params))
     wanted = check_params(path, stored, targets, partial)
-    arrays = _stored_params(meta, {n: targets[n] for n in wanted})
-    restored = _read(path, meta, params=arrays)
-    names = list(stored)
-    return concrete(rebuild(filled(params, _by_name(names, restored["params"]))))
+    # with ema: the EMA from the state item, the model's own state from params
+    averaged = stored_ema(path, meta, params, wanted) if ema else {}
+    plain = {n: targets[n] for n in wanted if n not in averaged}
+    items = {"params": _stored_params(meta, plain), "state": [*averaged.values()]}
+    restored = _read(path, meta, **{k: v for k, v in items.items() if v})
+    values = _by_name(list(stored), restored.get("params", {}))
+    for name, stored_array in averaged.items():
+        values[name] = jax.numpy.asarray(restored["state"][stored_array.key])
+    return concrete(rebuild(filled(params, values)))
 
 
 def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
@@ -352,16 +363,19 @@ def _read(
 # safetensors (optional extra)
 
 
-def export_safetensors(path: str | os.PathLike, state_or_params: Any) -> Path:
+def export_safetensors(
+    path: str | os.PathLike, state_or_params: Any, *, ema: bool = False
+) -> Path:
     """Writes the params to one ``.safetensors`` file, keyed by parameter name.
 
     For use outside JAX (PyTorch, NumPy, Rust …). Needs ``pztrain[safetensors]``.
     With several processes every process calls it: arrays split across them
     are gathered (each process needs the host memory for the whole params)
-    and process 0 writes the file.
+    and process 0 writes the file. ``ema=True``: a state's EMA params
+    (`pztrain.with_ema`) instead of its params.
     """
     save_file = _safetensors().save_file
-    named = named_leaves(params_of(state_or_params))
+    named = named_leaves(params_of(_weights(state_or_params, ema, "export")))
     with jax.transfer_guard_device_to_host("allow"):
         tensors = {n: _whole_on_host(x) for n, x in named}
     if jax.process_index() == 0:
@@ -389,6 +403,18 @@ def import_safetensors(
     wanted = check_params(Path(path), stored, dict(named_leaves(params)), partial)
     loaded = {n: jax.numpy.asarray(tensors[n]) for n in wanted}
     return rebuild(filled(params, loaded))
+
+
+def _weights(state_or_params: Any, ema: bool, where: str) -> Any:
+    """The state (or params) to save: with ``ema``, the state's EMA params."""
+    if not ema:
+        return state_or_params
+    if not isinstance(state_or_params, TrainState):
+        raise TypeError(
+            f"{where}(..., ema=True) takes a TrainState (whose optimizer keeps "
+            f"an EMA: pztrain.with_ema); got {type(state_or_params).__name__}."
+        )
+    return state_or_params.using_ema()
 
 
 def _safetensors():

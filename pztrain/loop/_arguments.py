@@ -12,6 +12,7 @@ from typing import Any
 from pztrain.callbacks import Callback, ProgressBar
 from pztrain.checkpoint import Checkpoints
 from pztrain.data._kinds import as_fit_data
+from pztrain.ema import NoEmaError, has_ema
 from pztrain.loggers import Logger
 from pztrain.loop._schedule import check_eval_every_epochs
 from pztrain.loop._signals import check_signals
@@ -46,6 +47,7 @@ class FitArguments:
     eval_data: Iterable[Any] | None = None
     eval_every: int | None = None
     eval_every_epochs: int | None = None
+    eval_ema: bool = False
     log_every: int = 100
     callbacks: Sequence[Callback] = ()
     loggers: Sequence[Logger] | None = None
@@ -82,6 +84,7 @@ class FitArguments:
         check_eval_every_epochs(
             self.eval_every_epochs, self.eval_every, self.eval_step is not None
         )
+        _check_eval_ema(self.eval_ema, self.eval_step, self.state)
         if self.peak_flops is not None and not (
             isinstance(self.peak_flops, int | float) and self.peak_flops > 0
         ):
@@ -215,3 +218,19 @@ def _checked_loggers(loggers: Sequence[Logger] | None) -> list[Logger] | None:
                 "log_hparams, log_record and close (pztrain.loggers.Logger)."
             )
     return loggers
+
+
+def _check_eval_ema(eval_ema: Any, eval_step: Any, state: Any) -> None:
+    if not isinstance(eval_ema, bool):
+        raise TypeError(f"eval_ema must be True or False; got {eval_ema!r}.")
+    if not eval_ema:
+        return
+    if eval_step is None:
+        raise ValueError(
+            "eval_ema=True needs eval_step and eval_data: pass both, or drop eval_ema."
+        )
+    if not has_ema(state.opt_state):
+        raise NoEmaError(
+            "fit(eval_ema=True) needs a state that keeps an EMA of its params: "
+            "build its optimizer with pztrain.with_ema(optimizer, decay=0.999)."
+        )

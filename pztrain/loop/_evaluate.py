@@ -26,7 +26,13 @@ def _weighted_add(sums: Any, values: Any, n: jax.Array) -> Any:
     return jax.tree.map(lambda s, v: s + jnp.asarray(v, jnp.float32) * n, sums, values)
 
 
-def evaluate(state: TrainState, eval_step: EvalStep, data: Iterable[Any]) -> dict:
+def evaluate(
+    state: TrainState,
+    eval_step: EvalStep,
+    data: Iterable[Any],
+    *,
+    ema: bool | str = False,
+) -> dict:
     """Averages ``eval_step``'s metrics over all batches of ``data``.
 
     Each batch's metrics are taken as means over that batch and weighted by its
@@ -44,6 +50,9 @@ def evaluate(state: TrainState, eval_step: EvalStep, data: Iterable[Any]) -> dic
         mesh and, with several processes, assembled from every process's
         rows), a grain ``MapDataset`` ending in ``.batch(n)`` (read in its
         order, as a `pztrain.GrainLoader`) or any iterable of batch dicts.
+      ema: Evaluate the EMA params (`pztrain.with_ema`) instead of the params
+        (``True``), or both in one pass over ``data`` (``"both"``: the EMA's
+        metrics named ``"ema/<name>"``).
 
     Returns:
       Metric name → float mean over all examples.
@@ -51,11 +60,12 @@ def evaluate(state: TrainState, eval_step: EvalStep, data: Iterable[Any]) -> dic
     Raises:
       TypeError: if ``state`` is not a `pztrain.TrainState` (a model, say).
       BatchError: for an empty ``data`` or a bad batch.
+      pztrain.ema.NoEmaError: ``ema`` asked of a state without an EMA.
       KeyboardInterrupt: at the batch after a SIGINT (in the main thread; see
         `pztrain.fit` for signals).
     """
     with stop_signals() as flag:
-        values = evaluate_until(state, eval_step, data, flag)
+        values = evaluate_until(state, eval_step, data, flag, ema)
     if values is None:
         raise KeyboardInterrupt(
             "evaluate was interrupted between two batches; nothing changed (the "
@@ -65,10 +75,15 @@ def evaluate(state: TrainState, eval_step: EvalStep, data: Iterable[Any]) -> dic
 
 
 def evaluate_until(
-    state: TrainState, eval_step: EvalStep, data: Iterable[Any], flag: StopFlag
+    state: TrainState,
+    eval_step: EvalStep,
+    data: Iterable[Any],
+    flag: StopFlag,
+    ema: bool | str = False,
 ) -> dict | None:
     """`evaluate`, or ``None`` if ``flag`` asks to stop before a batch."""
     check_state(state, "evaluate(state, ...)")
+    run = _on_weights(state, eval_step, ema)
     data = as_fit_data(data, "data", train=False)
     sums, total = None, 0
     sharding = data.batch_sharding() if isinstance(data, StepLoader) else None
@@ -79,7 +94,7 @@ def evaluate_until(
         if sharding is not None:  # this process's rows of a global batch
             batch = put_batch(batch, sharding)
         n = check_batch(batch)  # examples of the (global) batch
-        values = eval_step(state, **batch)
+        values = run(batch)
         if sums is None:
             sums = jax.tree.map(lambda _: jnp.zeros((), jnp.float32), values)
         sums = _weighted_add(sums, values, jnp.float32(n))
@@ -89,3 +104,25 @@ def evaluate_until(
     with host_reads():
         host = jax.device_get(sums)
     return {name: float(v) / total for name, v in named_leaves(host)}
+
+
+def _on_weights(state: TrainState, eval_step: EvalStep, ema: Any):
+    """``batch -> metrics`` on the params, the EMA params, or both."""
+    if ema is False:
+        return lambda batch: eval_step(state, **batch)
+    if not (ema is True or ema == "both"):
+        raise ValueError(f"ema must be False, True or 'both'; got {ema!r}.")
+    averaged = state.using_ema()
+    if ema is True:
+        return lambda batch: eval_step(averaged, **batch)
+
+    def both(batch: dict[str, Any]) -> dict[str, Any]:
+        values = dict(named_leaves(eval_step(state, **batch)))
+        return {**values, **_prefixed(eval_step(averaged, **batch))}
+
+    return both
+
+
+def _prefixed(values: Any) -> dict[str, Any]:
+    """An eval step's metrics named ``"ema/<name>"``."""
+    return {f"ema/{name}": v for name, v in named_leaves(values)}

@@ -52,6 +52,7 @@ def fit(
     eval_data: Iterable[Any] | None = None,
     eval_every: int | None = None,
     eval_every_epochs: int | None = None,
+    eval_ema: bool = False,
     log_every: int = 100,
     callbacks: Sequence[Callback] = (),
     loggers: Sequence[Logger] | None = None,
@@ -72,14 +73,14 @@ def fit(
     Args:
       state: The state to start from; training continues from ``state.step``.
       train_step: From `pztrain.build_train_step`.
-      train_data: An `ArrayLoader` or `GrainLoader` (positions follow the step),
-        a grain IterDataset (its iterator state checkpointed) or batch dicts.
+      train_data: An `ArrayLoader`, `GrainLoader`, grain IterDataset or batches.
       num_steps: Train until ``state.step == num_steps`` (a total).
       num_epochs: Train until this many epochs are done (not a generator's).
-      eval_step: From `pztrain.build_eval_step`, with ``eval_data``.
-      eval_data: The data for `pztrain.evaluate`.
+      eval_step: From `pztrain.build_eval_step`.
+      eval_data: The data for `pztrain.evaluate` (with ``eval_step``).
       eval_every: Steps between evaluations (default: each epoch end, or the end).
       eval_every_epochs: Evaluate at every this many epoch ends (and the end).
+      eval_ema: Evaluate the EMA params too (``"eval/ema/<name>"``, `evaluate`).
       log_every: Steps between log points (a multiple of ``steps_per_call``).
       callbacks: `pztrain.Callback` s, run in this order at each point.
       loggers: Added to ``run_dir``'s `pztrain.JsonlLogger` (``[]``: none).
@@ -88,8 +89,7 @@ def fit(
       progress: Show a `pztrain.ProgressBar` (needs tqdm), or this one.
       prefetch: Batches moved to the device ahead (0 turns it off).
       checkpoints: A `pztrain.Checkpoints`; its saves finish before ``fit`` ends.
-      resume: Continue from the newest checkpoint in ``checkpoints`` (state,
-        data position, log records, callback counters).
+      resume: Continue from the newest checkpoint in ``checkpoints`` (all of it).
       peak_flops: A device's peak FLOPs/s for ``mfu`` (`pztrain.loop.PEAK_FLOPS`).
       preempt_on: Signals that preempt the run (``[]``: none).
 
@@ -154,7 +154,10 @@ class _Run:
             history=history,
             reporter=Reporter(hooks, clock, args.state, schedule.start),
             evaluate=functools.partial(
-                evaluate_until, eval_step=args.eval_step, data=args.eval_data
+                evaluate_until,
+                eval_step=args.eval_step,
+                data=args.eval_data,
+                ema="both" if args.eval_ema else False,
             ),
             clock=clock,
             peak_flops=args.peak_flops,

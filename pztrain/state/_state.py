@@ -18,6 +18,7 @@ from pztrain._optax import (
     optimizer_update,
     set_hyperparams,
 )
+from pztrain.ema import ema_params_of
 from pztrain.state import _flax
 from pztrain.state._donation import DonatedStateError, check_alive
 from pztrain.state._parts import (
@@ -271,6 +272,34 @@ class TrainState(pz.Struct):
         return self.replace(
             step=step, params=params, opt_state=opt_state, loss_fn_state=lfs
         )
+
+    @property
+    def ema_params(self) -> Any:
+        """The EMA of the params (see `pztrain.with_ema`), structured as `params`.
+
+        A `pztrain.ema.NoEmaError` (a `ValueError`) if the optimizer keeps none.
+        """
+        self.check_not_donated("state.ema_params")
+        return ema_params_of(self.opt_state)
+
+    def using_ema(self) -> TrainState:
+        """This state with the EMA params as its `params`, to evaluate or export.
+
+        Give it to `pztrain.evaluate`, an eval step, `pztrain.save_params`,
+        `pztrain.export_safetensors` or ``.model``; keep training the original
+        state (this one shares the EMA's arrays between ``params`` and
+        ``opt_state``, which a donating step cannot take).
+
+        Example:
+          >>> from pztrain import with_ema
+          >>> state = TrainState.initial_state(
+          ...     {"w": jnp.zeros(2)}, with_ema(optax.sgd(1.0), 0.75), jax.random.key(0)
+          ... )
+          >>> state = state.apply_gradients({"w": -jnp.ones(2)})
+          >>> state.using_ema().model["w"]
+          Array([0.25, 0.25], dtype=float32)
+        """
+        return self.replace(params=self.ema_params)
 
     def summary(self) -> Summary:
         """The state at a glance: a row per array, totals per part, step, key.

@@ -9,6 +9,7 @@ from jax.sharding import Mesh
 from pztrain.partition import MODES
 from pztrain.state import TrainState  # noqa: F401 - the docstring's example
 from pztrain.step._fns import LossFunction
+from pztrain.step._norms import checked_grad_norms
 from pztrain.step._train import TrainStep
 
 __all__ = ["LossFunction", "build_train_step", "checked_mode"]
@@ -27,6 +28,7 @@ def build_train_step(
     microbatches: int = 1,
     explicit_loss: bool = False,
     mode: str | None = "train",
+    grad_norms: str | None = None,
 ) -> TrainStep:
     """Builds a `TrainStep` for ``loss_fn`` (penzai's loss-function contract).
 
@@ -45,9 +47,12 @@ def build_train_step(
       explicit_loss: On a mesh, run ``loss_fn`` with Explicit axes (it sees the
         compute layout in its types) instead of in auto mode.
       mode: A Flax NNX model's mode: ``"train"``, ``"eval"`` or ``None`` (as built).
+      grad_norms: ``"global"`` or ``"per_param"``: grad norms as metrics in the
+        aux (see `TrainStep`); ``None`` (default): none, nothing computed.
 
     Raises:
-      ValueError: for counts < 1, ``donate=True`` without jit, a bad ``mode``.
+      ValueError: for counts < 1, ``donate=True`` without jit, a bad ``mode``
+        or ``grad_norms``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -61,19 +66,7 @@ def build_train_step(
       >>> round(float(state.params["w"]), 3)
       2.0
     """
-    return TrainStep(
-        loss_fn,
-        jit=jit,
-        donate=_check_build(loss_fn, jit, donate, steps_per_call, microbatches),
-        steps_per_call=steps_per_call,
-        state_shardings=state_shardings,
-        batch_shardings=batch_shardings,
-        mesh=_checked_mesh(mesh),
-        data_axis=data_axis,
-        microbatches=microbatches,
-        explicit_loss=explicit_loss,
-        mode=checked_mode(mode),
-    )
+    return TrainStep(**_checked(dict(locals())))
 
 
 def checked_mode(mode: Any) -> str | None:
@@ -93,6 +86,17 @@ def _checked_mesh(mesh: Any) -> Mesh | None:
             f"jax.make_mesh((8,), ('data',))); got {type(mesh).__name__}."
         )
     return mesh
+
+
+def _checked(options: dict[str, Any]) -> dict[str, Any]:
+    """`build_train_step`'s arguments, checked, as `TrainStep` takes them."""
+    k, m = options["steps_per_call"], options["microbatches"]
+    jit, donate = options["jit"], options["donate"]
+    options["donate"] = _check_build(options["loss_fn"], jit, donate, k, m)
+    options["mesh"] = _checked_mesh(options["mesh"])
+    options["mode"] = checked_mode(options["mode"])
+    options["grad_norms"] = checked_grad_norms(options["grad_norms"])
+    return options
 
 
 def _check_build(loss_fn: Any, jit: bool, donate: bool | None, k: int, m: int) -> bool:

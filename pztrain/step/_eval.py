@@ -39,12 +39,21 @@ class EvalStep:
       jit: Whether the step is jitted.
       mode: The mode the model runs in (``"eval"``: a Flax NNX model's
         ``model.eval()``, running averages and no dropout).
+      ema: Whether it evaluates the state's EMA params (`pztrain.with_ema`).
     """
 
-    def __init__(self, eval_fn: EvalFunction, *, jit: bool, mode: str | None = "eval"):
+    def __init__(
+        self,
+        eval_fn: EvalFunction,
+        *,
+        jit: bool,
+        mode: str | None = "eval",
+        ema: bool = False,
+    ):
         self.eval_fn = eval_fn
         self.jit = jit
         self.mode = mode
+        self.ema = ema
         self._programs = Programs(self._build)
 
     def _build(self, static: Static, mesh: Any) -> Any:
@@ -61,6 +70,8 @@ class EvalStep:
     def __call__(self, state: TrainState, **batch: Any) -> Any:
         """Returns ``eval_fn``'s metrics for ``state`` on ``batch``."""
         check_state(state, "eval_step(state, ...)")
+        if self.ema:
+            state = state.using_ema()
         mesh = mesh_of(state.params)  # the program's mesh: the state's
         found = self._programs.lookup(state.model_without_params, mesh, state.root_rng)
         try:
@@ -72,7 +83,11 @@ class EvalStep:
 
 
 def build_eval_step(
-    eval_fn: EvalFunction, *, jit: bool = True, mode: str | None = "eval"
+    eval_fn: EvalFunction,
+    *,
+    jit: bool = True,
+    mode: str | None = "eval",
+    ema: bool = False,
 ) -> EvalStep:
     """Builds an eval step: ``eval_fn(*, model, state, rng, **batch) -> metrics``.
 
@@ -83,6 +98,8 @@ def build_eval_step(
         running averages, no dropout), ``"train"`` (e.g. Monte Carlo dropout;
         the batch statistics it computes are not kept), or ``None`` for a model
         that manages its modes itself. Ignored by other families.
+      ema: Evaluate the state's EMA params (`pztrain.with_ema`), not its
+        params (as ``eval_step(state.using_ema(), ...)``).
 
     Returns:
       An `EvalStep`.
@@ -98,4 +115,6 @@ def build_eval_step(
     """
     if not callable(eval_fn):
         raise TypeError(f"eval_fn must be callable; got {type(eval_fn).__name__}.")
-    return EvalStep(eval_fn, jit=jit, mode=checked_mode(mode))
+    if not isinstance(ema, bool):
+        raise TypeError(f"ema must be True or False; got {ema!r}.")
+    return EvalStep(eval_fn, jit=jit, mode=checked_mode(mode), ema=ema)

@@ -26,6 +26,7 @@ from pztrain.metrics import MetricSums
 from pztrain.partition import RestSpec
 from pztrain.step._mesh import NO_MESH, Layout
 from pztrain.step._microbatches import accumulate, first_microbatch
+from pztrain.step._norms import with_grad_norms
 
 __all__ = [
     "Carry",
@@ -171,6 +172,7 @@ def train_fn(
     microbatches: int = 1,
     mode: str | None = "train",
     layout: Layout = NO_MESH,
+    grad_norms: str | None = None,
 ) -> StepFn:
     """``(carry, inputs) -> (carry, new_rest, aux)``: ``steps_per_call`` steps.
 
@@ -182,6 +184,7 @@ def train_fn(
     (``layout``, see `pztrain.step._mesh`) the loss sees the params in their
     compute layout and the optimizer gets grads in their storage layout.
     ``mode`` is the mode the model runs in (`pztrain.partition.RestSpec.bind`).
+    ``grad_norms`` adds grad norms to the aux (`pztrain.step._norms`).
     """
 
     def one(carry: Carry, root_rng, rest, batch) -> tuple[Carry, Any, Any]:
@@ -189,6 +192,7 @@ def train_fn(
         loss, lfs, aux, new_rest, grads = _grads(
             loss_fn, static.rest, mode, carry, rest, rng, batch, microbatches, layout
         )
+        aux = with_grad_norms(aux, grads, grad_norms)
         params, opt_state = optimizer_update(
             optimizer_def, grads, carry.opt_state, carry.params
         )
@@ -294,11 +298,13 @@ def aux_fn(
     microbatches: int = 1,
     mode: str | None = "train",
     layout: Layout = NO_MESH,
+    grad_norms: str | None = None,
 ) -> StepFn:
     """``(carry, inputs) -> aux`` of the loss alone: forward only, no gradient.
 
     For `jax.eval_shape`: the metric names of a step, without tracing its
-    backward pass (on the first micro-batch with ``microbatches > 1``).
+    backward pass (on the first micro-batch with ``microbatches > 1``; with
+    ``grad_norms``, the norms' names from the params standing for the grads).
     """
 
     def run(carry: Carry, inputs: Inputs) -> Any:
@@ -310,7 +316,8 @@ def aux_fn(
         def aux_of(params, rest, lfs, rng, batch):
             model, _ = static.rest.bind(params, rest, rng, mode)
             out = loss_fn(model=model, state=lfs, rng=rng, **batch)
-            return _check_loss_output(out, lfs)[2]
+            aux = _check_loss_output(out, lfs)[2]
+            return with_grad_norms(aux, params, grad_norms)
 
         params = layout.compute(carry.params)
         return layout.user(aux_of)(params, inputs.rest, carry.loss_fn_state, rng, batch)

@@ -93,6 +93,12 @@ class TrainStep:
         model that manages its modes itself). Each step also reseeds an NNX
         model's rng streams from its key (`pztrain.partition.reseed_streams`).
         Other families have no modes.
+      grad_norms: ``None`` (off: nothing computed), ``"global"`` or
+        ``"per_param"``: the L2 norm of the grads added to each step's aux (a
+        dict, or ``None``) as the metric ``"grad_norm"``, and with
+        ``"per_param"`` one per parameter, ``"grad_norm/<name>"``; computed on
+        device in the step (in float32, after micro-batches are averaged), so
+        `pztrain.fit` sums and logs them like any metric.
     """
 
     def __init__(
@@ -109,9 +115,11 @@ class TrainStep:
         microbatches: int = 1,
         explicit_loss: bool = False,
         mode: str | None = "train",
+        grad_norms: str | None = None,
     ):
         self.loss_fn = loss_fn
         self.mode = mode
+        self.grad_norms = grad_norms
         self.jit = jit
         self.donate = donate
         self.steps_per_call = steps_per_call
@@ -137,10 +145,11 @@ class TrainStep:
             self.mode,
             self._layout,
         )
-        train = _fns.train_fn(loss_fn, static, optimizer_def, k, m, mode, layout)
+        norms = self.grad_norms
+        train = _fns.train_fn(loss_fn, static, optimizer_def, k, m, mode, layout, norms)
         step = _fns.flat(train)
         grads = _fns.grads_fn(loss_fn, static, m, mode, layout)
-        aux = _fns.aux_fn(loss_fn, static, m, mode, layout)
+        aux = _fns.aux_fn(loss_fn, static, m, mode, layout, norms)
         if not self.jit:
             return TrainPrograms(step, lambda: grads, aux)
         if isinstance(layout, MeshLayout):
