@@ -26,6 +26,7 @@ MODULES = [
     "pztrain.callbacks",
     "pztrain.checkpoint",
     "pztrain.data",
+    "pztrain.ema",
     "pztrain.groups",
     "pztrain.integrations",
     "pztrain.integrations.optuna",
