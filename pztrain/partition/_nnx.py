@@ -111,7 +111,8 @@ def _entries(nnx: Any, state: Any) -> list[tuple[str, Any, Any]]:
 
 def _annotation(nnx: Any, var: Any) -> Any:
     """The ``PartitionSpec`` a param's sharding annotation gives, or ``None``."""
-    if not var.get_metadata().get("out_sharding"):
+    metadata = var.get_metadata()  # flax 0.12.2 names it "sharding_names"
+    if not (metadata.get("out_sharding") or metadata.get("sharding_names")):
         return None
     return nnx.spmd.get_var_pspec(var)
 

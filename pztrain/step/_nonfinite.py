@@ -179,9 +179,7 @@ def _walk(closed: Any, names: list[str], values: list[Any]) -> tuple[tuple, Any]
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         with eqn.ctx.manager:
-            outs = eqn.primitive.bind(
-                *invals, **eqn.primitive.get_bind_params(eqn.params)
-            )
+            outs = _bind(eqn, invals)
         outs = outs if eqn.primitive.multiple_results else [outs]
         source = _merge(deps.get(v) for v in eqn.invars if not _is_literal(v))
         for var, value in zip(eqn.outvars, outs, strict=True):
@@ -189,6 +187,14 @@ def _walk(closed: Any, names: list[str], values: list[Any]) -> tuple[tuple, Any]
         if not all(map(_finite, outs)) and all(map(_finite, invals)):
             return _nearest(eqn, deps, producer), eqn.primitive.name
     return (), None
+
+
+def _bind(eqn: Any, invals: list[Any]) -> Any:
+    """Runs one equation. ``get_bind_params`` gives the params, or (jax < 0.10)
+    ``(subfuns, params)``."""
+    got = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = got if isinstance(got, tuple | list) else ((), got)
+    return eqn.primitive.bind(*subfuns, *invals, **params)
 
 
 def _is_literal(v: Any) -> bool:
