@@ -104,6 +104,13 @@ def build_raw(state, batch_sharding, x, y):
         out_shardings=shard,
         donate_argnums=(0, 1),
     )
+    return _runner(jitted, state, shard, x, y)
+
+
+def _runner(jitted, state, shard, x, y):
+    """``(run, compiled HLO text)`` of a hand-written step ``jitted(params,
+    opt_state, x, y)`` on its own copy of ``state``'s arrays placed as
+    ``shard``; ``run(n, x, y)`` takes ``n`` steps, each waited for."""
     copy = jax.tree.map(lambda a: jnp.copy(a), (state.params, state.opt_state))
     holder = [jax.device_put(copy, shard)]
 
@@ -137,19 +144,7 @@ def build_raw_explicit(state, batch_sharding, x, y):
         return optax.apply_updates(params, updates), opt_state
 
     jitted = jax.jit(one, out_shardings=shard, donate_argnums=(0, 1))
-    copy = jax.tree.map(lambda a: jnp.copy(a), (state.params, state.opt_state))
-    holder = [jax.device_put(copy, shard)]
-
-    def run(n, x, y):
-        p, o = holder[0]
-        for _ in range(n):
-            p, o = jitted(p, o, x, y)
-            jax.block_until_ready(p)  # see SYNC
-        holder[0] = (p, o)
-        return p
-
-    text = jitted.lower(*holder[0], x, y).compile().as_text()
-    return run, text
+    return _runner(jitted, state, shard, x, y)
 
 
 def timed(run, n, x, y) -> float:
