@@ -14,7 +14,6 @@ process 0 writes the params to ``RUN_DIR/final.npz``.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 import grain
@@ -47,6 +46,9 @@ def dataset() -> grain.MapDataset:
     return grain.MapDataset.range(N).map(example)
 
 
+from multihost_fit_worker import KillAt  # noqa: E402  (SIGKILL once saved)
+
+
 def loss_fn(*, model, state, rng, x, y, id):
     del rng, id
     h = jnp.tanh(x @ model["w1"] + model["b1"][None])
@@ -62,16 +64,6 @@ def make_state():
         "w2": jax.random.normal(k2, (16, 1)) * 0.3,
     }
     return pztrain.TrainState.initial_state(params, optax.adam(1e-2), jax.random.key(1))
-
-
-class KillAt(pztrain.Callback):
-    def __init__(self, step: int, checkpoints: pztrain.Checkpoints):
-        self.step, self.checkpoints = step, checkpoints
-
-    def on_log(self, state, record):
-        if record["step"] == self.step:
-            self.checkpoints.wait()
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(run_dir: str, pid: int, num: int, port: int, kill: int, tag: str) -> None:

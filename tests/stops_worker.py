@@ -26,35 +26,14 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType
 
+# the model, loss and evaluation of the multi-process fit tests
+from multihost_fit_worker import eval_fn, loss_fn, make_state  # noqa: E402
+
 import pztrain
-
-
-def loss_fn(*, model, state, rng, x, y):
-    h = jnp.tanh(x @ model["w1"] + model["b1"][None])
-    loss = jnp.mean((h @ model["w2"] - y) ** 2)
-    return loss, state, {"loss": loss}
-
-
-def eval_fn(*, model, state, rng, x, y):
-    del state, rng
-    h = jnp.tanh(x @ model["w1"] + model["b1"][None])
-    return {"loss": jnp.mean((h @ model["w2"] - y) ** 2)}
-
-
-def make_state():
-    k1, k2 = jax.random.split(jax.random.key(0))
-    params = {
-        "w1": jax.random.normal(k1, (8, 16)) * 0.3,
-        "b1": jnp.zeros(16),
-        "w2": jax.random.normal(k2, (16, 4)) * 0.3,
-    }
-    return pztrain.TrainState.initial_state(params, optax.adam(1e-2), jax.random.key(1))
 
 
 class SignalAt(pztrain.Callback):
