@@ -301,7 +301,11 @@ class NanPolicy(Callback):
 
     Either way `pztrain.Checkpoints` never saves params that are not finite, and
     the arrays at fault are named (`pztrain.step.explain_in_run`) in the stop
-    message, or in the record's ``"nonfinite"`` when updates are skipped.
+    message, or in the record's ``"nonfinite"`` when updates are skipped. To
+    name them on a stop, the run's newest checkpoint at or before the first
+    non-finite step is restored and the steps from it replayed, one at a time,
+    up to the first whose update is not finite (at most the steps since that
+    checkpoint, and only once the run has gone wrong).
     """
 
     def __init__(self, mode: str = "stop"):

@@ -87,6 +87,7 @@ class LoopInfo:
         that checkpoints the others' `pztrain.Callback.state_dict`).
       train_step: The train step given to `fit` (``None`` outside `fit`).
       train_data: The train data given to `fit` (``None`` outside `fit`).
+      checkpoints: The `pztrain.Checkpoints` given to `fit`, or ``None``.
     """
 
     start_step: int
@@ -100,6 +101,7 @@ class LoopInfo:
     callbacks: tuple[Any, ...] = ()
     train_step: Any = None
     train_data: Any = None
+    checkpoints: Any = None
 
 
 @dataclasses.dataclass

@@ -467,8 +467,9 @@ def test_nan_policy_stop_names_the_first_nonfinite_step():
     )
     assert history.stop_reason == (
         "non-finite loss at step 7: params non-finite in ['b', 'w'] at step 10; "
-        "re-run a state from before the step with pztrain.step.find_nonfinite to "
-        "name the first"
+        "no checkpoint at or before step 7 to replay from (fit(checkpoints="
+        "Checkpoints(dir, every_steps=N))); or re-run a state from before the step "
+        "with pztrain.step.find_nonfinite"
     )
     assert int(state.step) == 10
     first, second = history.records

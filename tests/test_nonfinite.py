@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 import pztrain
 from pztrain.step import find_nonfinite
@@ -162,3 +163,35 @@ def test_the_normal_path_runs_nothing_more():
     )
     assert "nonfinite" not in history.records[-1]
     assert len(traces) == without  # no re-run, no other program
+
+
+def _gated_loss(*, model, state, rng, x, y, g):
+    """`_loss` plus a gate whose grads are 0/0 (NaN) on a batch of ``g == 0``:
+    the loss stays finite at that step, the params do not."""
+    loss, state, aux = _loss(model=model, state=state, rng=rng, x=x, y=y)
+    return loss + jnp.sum(jnp.sqrt(model["layers/1/gate"] * jnp.mean(g))), state, aux
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 2])
+def test_nan_policy_stop_replays_from_the_newest_checkpoint(tmp_path, steps_per_call):
+    batch = _batch(64)
+    g = jnp.ones(64).at[36:40].set(0.0)  # the batch of step 9 (4 a step, in order)
+    ckpts = pztrain.Checkpoints(tmp_path, every_steps=4, async_save=False)
+    with pytest.warns(UserWarning, match="Not saving checkpoint 12 .* not finite"):
+        state, history = pztrain.fit(
+            _state({**_model(), "layers/1/gate": jnp.ones(3)}),
+            pztrain.build_train_step(_gated_loss, steps_per_call=steps_per_call),
+            pztrain.ArrayLoader({**batch, "g": g}, 4, shuffle=False),
+            num_steps=16,
+            log_every=4,
+            checkpoints=ckpts,
+            callbacks=[pztrain.NanPolicy("stop")],
+            progress=False,
+        )
+    # Step 9's update made the params NaN; the loss went NaN at step 10. The
+    # replay from checkpoint 8 finds step 9, and re-runs it from before it.
+    assert history.stop_reason == (
+        "non-finite loss at step 10: non-finite grads first in ['layers/1/gate'] "
+        "at step 9; params non-finite in ['layers/1/gate']; loss finite"
+    )
+    assert int(state.step) == 12 and ckpts.steps() == [4, 8]  # nothing else saved

@@ -21,7 +21,6 @@ from pztrain.callbacks import Callback
 from pztrain.checkpoint import _directory, _format
 from pztrain.checkpoint._due import SavePoints
 from pztrain.checkpoint._lock import locked
-from pztrain.checkpoint._metadata import CheckpointError
 from pztrain.checkpoint._retention import Retention
 from pztrain.checkpoint._targets import params_of
 from pztrain.checkpoint._writer import Writer
@@ -227,21 +226,8 @@ class Checkpoints(Callback):
 
     def _make_room(self, step: int) -> None:
         """Refuses (or, with ``overwrite``, deletes) an existing checkpoint ``step``."""
-        steps = self.steps()
-        newest = max(steps, default=step)
-        if step < newest:  # keep-last would delete the newest steps
-            raise CheckpointError(
-                f"Checkpoint {step} is older than the newest, {newest}, in "
-                f"{self.directory}; save steps in order (or use another directory)."
-            )
-        if step not in steps:
-            return
-        if not self.overwrite:
-            raise CheckpointError(
-                f"Checkpoint {step} already exists in {self.directory}. Save another "
-                "step, or pass Checkpoints(..., overwrite=True) to replace it."
-            )
-        self.writer.delete([step])
+        if _directory.must_replace(self.directory, self.steps(), step, self.overwrite):
+            self.writer.delete([step])
 
     def _callback_states(self) -> dict[str, Any]:
         found = {}
@@ -354,6 +340,23 @@ class Checkpoints(Callback):
             if _state_key(i, cb) in found.callbacks:
                 cb.load_state_dict(found.callbacks[_state_key(i, cb)])
         return found.state
+
+    def restore(self, step: int, like: TrainState) -> TrainState:
+        """Checkpoint ``step`` restored into ``like``, once pending saves are
+        on disk. Nothing else changes: no callback state, no bookkeeping.
+
+        Raises:
+          ValueError: if the directory holds no checkpoint of ``step``.
+          CheckpointError: if it cannot be read (its message names the file).
+        """
+        self.writer.wait()
+        steps = self.steps()
+        if step not in steps:
+            raise ValueError(
+                f"{self.directory} holds no checkpoint of step {step}; it holds "
+                f"steps {steps}."
+            )
+        return _format.load_state(self.directory / str(step), like)
 
     # -- callback hooks
 

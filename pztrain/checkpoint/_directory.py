@@ -175,6 +175,24 @@ def warn_temporaries(directory: Path) -> None:
         )
 
 
+def must_replace(directory: Path, steps: list[int], step: int, overwrite: bool) -> bool:
+    """Whether checkpoint ``step`` is among ``steps`` and may be replaced
+    (``overwrite``); refuses a step older than the newest, or one that exists
+    without ``overwrite``."""
+    newest = max(steps, default=step)
+    if step < newest:  # keep-last would delete the newest steps
+        raise CheckpointError(
+            f"Checkpoint {step} is older than the newest, {newest}, in "
+            f"{directory}; save steps in order (or use another directory)."
+        )
+    if step in steps and not overwrite:
+        raise CheckpointError(
+            f"Checkpoint {step} already exists in {directory}. Save another "
+            "step, or pass Checkpoints(..., overwrite=True) to replace it."
+        )
+    return step in steps
+
+
 def refuse_used(directory: Path, steps: list[int]) -> None:
     """Refuses a fresh run into ``directory`` if it holds checkpoints ``steps``."""
     if steps:

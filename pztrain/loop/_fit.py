@@ -409,4 +409,5 @@ def _info(args: FitArguments, schedule: Schedule) -> LoopInfo:
         callbacks=tuple(args.callbacks),
         train_step=args.train_step,
         train_data=args.train_data,
+        checkpoints=args.checkpoints,
     )

@@ -5,6 +5,7 @@ aux)``; `build_eval_step` an `EvalStep`.
 
 * `pztrain.step._build`: `build_train_step` and the `LossFunction` contract;
 * `pztrain.step._train`: `TrainStep` (the host side: one hot path per call);
+* `pztrain.step._call_batch`: the batch of a call, on the step's mesh;
 * `pztrain.step._eval`: `EvalStep`;
 * `pztrain.step._fns`: the pure functions that are jitted, on a ``Carry`` and
   ``Inputs``;
@@ -13,14 +14,20 @@ aux)``; `build_eval_step` an `EvalStep`.
 * `pztrain.step._mesh`: a step on a mesh (storage and compute layouts);
 * `pztrain.step._cost`: a compiled step's FLOPs and memory per device;
 * `pztrain.step._notes`: the inputs named on an error raised inside a step;
-* `pztrain.step._nonfinite`: the first NaN named, by re-running one step.
+* `pztrain.step._nonfinite`: the first NaN named, by re-running one step
+  (replayed from a checkpoint when the params already took it).
 """
 
 from pztrain.step._build import LossFunction, build_train_step
 from pztrain.step._cost import StepCost, StepMemory
 from pztrain.step._eval import EvalFunction, EvalStep, build_eval_step
 from pztrain.step._fns import OnDeviceBatches, StepOutputs
-from pztrain.step._nonfinite import NonFinite, explain_in_run, find_nonfinite
+from pztrain.step._nonfinite import (
+    NonFinite,
+    explain_in_run,
+    find_nonfinite,
+    replay_to_first,
+)
 from pztrain.step._train import TrainStep
 
 __all__ = [
@@ -37,4 +44,5 @@ __all__ = [
     "build_train_step",
     "explain_in_run",
     "find_nonfinite",
+    "replay_to_first",
 ]

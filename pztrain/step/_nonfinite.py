@@ -26,7 +26,7 @@ from pztrain._optax import optimizer_update
 from pztrain._tree import is_float_array, named_leaves
 from pztrain.partition import split_rest
 
-__all__ = ["NonFinite", "explain_in_run", "find_nonfinite"]
+__all__ = ["NonFinite", "explain_in_run", "find_nonfinite", "replay_to_first"]
 
 _MANY = object()  # a value that depends on more than one param
 
@@ -249,8 +249,12 @@ def explain_in_run(info: Any, state: Any, first: int) -> str:
     the run's data gives that step (``batch_at``).
 
     Re-running needs finite params: with ``optax.apply_if_finite`` the state
-    at hand never took the bad update. Otherwise the line names the params that
-    are not finite now. Never raises: a failure to re-run is said in the line.
+    at hand never took the bad update. Otherwise (``NanPolicy("stop")``) the
+    run's newest checkpoint at or before step ``first`` is restored and the
+    steps from it replayed one at a time (`replay_to_first`), so that the step
+    re-run is the first whose update was not finite, from the state before it.
+    Without such a checkpoint the line names the params that are not finite
+    now. Never raises: a failure to re-run is said in the line.
     """
     return f"non-finite loss at step {first}: {_explained(info, state, first)}"
 
@@ -259,17 +263,63 @@ def _explained(info: Any, state: Any, first: int) -> str:
     data = getattr(info, "train_data", None)
     train_step = getattr(info, "train_step", None)
     try:
+        rerun = train_step is not None and hasattr(data, "batch_at")
         bad = _nonfinite_names(state.params)
         if bad:
-            return (
-                f"params non-finite in {_few(bad)} at step {int(state.step)}; re-run "
-                "a state from before the step with pztrain.step.find_nonfinite "
-                "to name the first"
-            )
-        if train_step is None or not hasattr(data, "batch_at"):
+            found = _restored(info, state, first) if rerun else None
+            if found is None:
+                why = (
+                    f"no checkpoint at or before step {first} to replay from "
+                    "(fit(checkpoints=Checkpoints(dir, every_steps=N)))"
+                    if rerun
+                    else "the data gives no batch by step (batch_at) to replay"
+                )
+                return (
+                    f"params non-finite in {_few(bad)} at step {int(state.step)}; "
+                    f"{why}; or re-run a state from before the step with "
+                    "pztrain.step.find_nonfinite"
+                )
+            state, first = replay_to_first(train_step, found, data, first)
+        if not rerun:
             return "not re-run: the data gives no batch by step (batch_at)"
         return find_nonfinite(
             train_step, state, data.batch_at(first), step=first
         ).line()
     except Exception as err:  # naming must never hide the stop itself
         return f"could not re-run step {first}: {type(err).__name__}: {err}"
+
+
+def _restored(info: Any, like: Any, first: int) -> Any:
+    """The newest checkpoint of the run's at or before step ``first``, restored
+    into ``like`` (``None`` if there is none)."""
+    checkpoints = getattr(info, "checkpoints", None)
+    if checkpoints is None:
+        return None
+    checkpoints.wait()
+    saved = [s for s in checkpoints.steps() if s <= first]
+    return checkpoints.restore(max(saved), like) if saved else None
+
+
+def replay_to_first(train_step: Any, state: Any, data: Any, last: int) -> tuple:
+    """Steps from ``state`` (at its own step) to ``last``, one at a time on the
+    batches ``data.batch_at`` gives, until one leaves params that are not
+    finite.
+
+    Args:
+      train_step: The run's `TrainStep` (replayed one step per call, without
+        donation: `TrainStep.single`).
+      state: A state from before the step that went wrong, e.g. a checkpoint.
+      data: The run's data (anything with ``batch_at(step)``).
+      last: The step known to go wrong (its loss is not finite).
+
+    Returns:
+      ``(state_before, step)``: the first step whose update left params that are
+      not finite, or ``last``, and the state just before it.
+    """
+    one = train_step.single()
+    for at in range(int(state.step), last):
+        new, _ = one(state, data.batch_at(at))
+        if _nonfinite_names(new.params):
+            return state, at
+        state = new
+    return state, last

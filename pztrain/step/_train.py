@@ -18,7 +18,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from pztrain.data._placement import put_batch
 from pztrain.metrics import MetricSums, metric_names
 from pztrain.sharding import data_sharding
 from pztrain.sharding._rules import mesh_axes
@@ -28,6 +27,7 @@ from pztrain.state._parts import check_opt_state
 from pztrain.state._state import check_state
 from pztrain.state._struct import after_step, replaced
 from pztrain.step import _fns
+from pztrain.step._call_batch import on_mesh, one_batch, two_batches
 from pztrain.step._cost import StepCost, StepMemory, cost_of
 from pztrain.step._fns import LossFunction, Static, StepOutputs
 from pztrain.step._mesh import NO_MESH, MeshLayout
@@ -125,6 +125,7 @@ class TrainStep:
         self.steps_per_call = steps_per_call
         self.microbatches = microbatches
         self.mesh = mesh
+        self.data_axis, self.explicit_loss = data_axis, explicit_loss
         self.batch_sharding = (
             None if mesh is None else data_sharding(mesh, data_axis, steps_per_call)
         )
@@ -202,7 +203,7 @@ class TrainStep:
         if batch is None:
             batch = arrays
         elif arrays:
-            _two_batches(batch, arrays)
+            two_batches(batch, arrays)
         state, _, aux = self._run(state, None, batch, 1)
         return state, aux
 
@@ -242,7 +243,7 @@ class TrainStep:
         if calls < 1:  # nothing to run (a stretch of no whole call)
             return state, sums
         flag = _GO_ON if stop_flag is None else stop_flag
-        state, sums, _ = self._run(state, sums, _one_batch(batch, arrays), calls, flag)
+        state, sums, _ = self._run(state, sums, one_batch(batch, arrays), calls, flag)
         return state, sums
 
     def _run(
@@ -268,7 +269,7 @@ class TrainStep:
                 check_opt_state(optimizer_def, fields["opt_state"], fields["params"])
             found = self._programs.lookup(rest, optimizer_def, root_rng)
         if self.batch_sharding is not None and isinstance(batch, Mapping):
-            batch = _on_mesh(batch, self.batch_sharding)
+            batch = on_mesh(batch, self.batch_sharding)
         step, _, rest_arrays, key_data, _ = found
         is_deleted = getattr(fields["step"], "is_deleted", None)  # not a tracer
         if is_deleted is not None and is_deleted():  # before XLA logs its error
@@ -307,6 +308,23 @@ class TrainStep:
             out = step(*out[:5], found.key_data, rest, batch)
         return out
 
+    def single(self) -> TrainStep:
+        """This step, one optimizer step per call and donating nothing (e.g. to
+        replay steps one at a time and keep the state before each)."""
+        return TrainStep(
+            self.loss_fn,
+            jit=self.jit,
+            donate=False,
+            steps_per_call=1,
+            state_shardings=self._state_shardings,
+            batch_shardings=self._batch_shardings if self.steps_per_call == 1 else None,
+            mesh=self.mesh,
+            data_axis=self.data_axis,
+            microbatches=self.microbatches,
+            explicit_loss=self.explicit_loss,
+            mode=self.mode,
+        )
+
     def metric_sums(
         self, state: TrainState, batch: Any = None, /, **arrays: Any
     ) -> MetricSums:
@@ -315,7 +333,7 @@ class TrainStep:
         The metric names come from tracing the loss function once, forward only
         (``jax.eval_shape``); nothing runs on the device.
         """
-        batch = _one_batch(batch, arrays)
+        batch = one_batch(batch, arrays)
         if not isinstance(batch, Mapping):
             batch = batch.batch_shapes()
         elif self.steps_per_call > 1:  # the metrics of one step, from one slice
@@ -354,9 +372,9 @@ class TrainStep:
         if not self.jit:
             raise ValueError("lower() needs a jitted step: build it with jit=True.")
         found = self._lookup(state)
-        batch = _one_batch(batch, arrays)
+        batch = one_batch(batch, arrays)
         if self.batch_sharding is not None and isinstance(batch, Mapping):
-            batch = _on_mesh(batch, self.batch_sharding)
+            batch = on_mesh(batch, self.batch_sharding)
         return found.program.step.lower(*flat_args(state, found, batch))
 
     def cost(self, state: TrainState, batch: Any = None, /, **arrays: Any) -> StepCost:
@@ -379,7 +397,7 @@ class TrainStep:
           (True, True)
         """
         found = self._lookup(state)
-        batch = _one_batch(batch, arrays)
+        batch = one_batch(batch, arrays)
         key = _shapes_key((flat_args(state, found, batch), self.steps_per_call))
         costs = found.program.costs
         if key not in costs:
@@ -400,36 +418,6 @@ class TrainStep:
 
 
 _make = tuple.__new__
-
-
-def _on_mesh(batch: Mapping[str, Any], sharding: Any) -> Any:
-    """A batch on the step's mesh: as it is if every leaf is there already (what
-    `pztrain.fit` passes), else put there (`put_batch`)."""
-    devices = sharding.device_set
-    leaves = jax.tree.leaves(batch)
-    if all(
-        isinstance(x, jax.Array) and x.sharding.device_set == devices for x in leaves
-    ):
-        return batch
-    return put_batch(batch, sharding)
-
-
-def _one_batch(batch: Any, arrays: dict[str, Any]) -> Any:
-    """The batch of a call: keyword arrays or one positional batch, not both."""
-    if batch is None:
-        return arrays
-    if arrays:
-        _two_batches(batch, arrays)
-    return batch
-
-
-def _two_batches(batch: Any, arrays: dict[str, Any]) -> None:
-    raise TypeError(
-        "Pass the batch as keyword arguments (train_step(state, x=..., y=...)) "
-        "or as one positional batch (a dict, or batches on device such as "
-        f"pztrain.data.IndexedBatches), not both; got {type(batch).__name__} "
-        f"and keys {sorted(arrays)}."
-    )
 
 
 def _shapes_key(tree: Any) -> tuple[Any, ...]:
