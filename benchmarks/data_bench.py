@@ -109,6 +109,66 @@ def pipeline(path: str, rounds: int) -> grain.MapDataset:
     return grain.MapDataset.source(source).map(decode).map_with_index(augment)
 
 
+class Record:
+    """The records as examples ``{"record": <65 uint8>}``, read a batch at a
+    time (what `BatchAugment` decodes and augments once stacked)."""
+
+    def __init__(self, path: str):
+        self.path, self._rows = path, None
+
+    def rows(self) -> np.ndarray:
+        if self._rows is None:  # mapped once per process
+            self._rows = records(self.path)
+        return self._rows
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "_rows": None}  # a worker maps the file anew
+
+    def __len__(self) -> int:
+        return len(self.rows())
+
+    def __getitem__(self, i: int) -> dict:
+        return {"record": np.asarray(self.rows()[int(i)])}
+
+    def __getitems__(self, keys: list[int]) -> list[dict]:
+        return [{"record": r} for r in np.asarray(self.rows()[keys])]
+
+
+class BatchAugment:
+    """`decode` and `Augment` on a whole batch at once (vectorised NumPy): the
+    same shift, flip and noise drawn from each row's index."""
+
+    def __init__(self, rounds: int):
+        self.rounds = rounds
+
+    def __call__(self, batch: dict, positions: np.ndarray) -> dict:
+        rows = batch["record"]
+        image = (rows[:, :64].astype(np.float32) / 16.0).reshape(-1, 8, 8)
+        index = positions.astype(np.uint64)
+        for r in range(self.rounds):
+            h = (index * np.uint64(2654435761) + np.uint64(r * 40503)) % 2**32
+            shift = (h % 3).astype(np.int64)[:, None, None] - 1
+            rolled = [np.roll(image, s, axis=2) for s in (-1, 1)]
+            image = np.where(
+                shift < 0, rolled[0], np.where(shift > 0, rolled[1], image)
+            )
+            flip = (h & 8).astype(bool)[:, None, None]
+            image = np.where(flip, image[:, :, ::-1], image)
+            image = np.clip(image + NOISE[(h % 97).astype(np.int64)], 0.0, 2.0)
+        return {"x": image.reshape(-1, 64), "y": rows[:, 64].astype(np.int32)}
+
+
+def batched_loader(path: str, rounds: int, workers: int = 0) -> pztrain.GrainLoader:
+    """The records read a batch at a time, decoded and augmented per batch."""
+    return pztrain.GrainLoader(
+        grain.MapDataset.source(pztrain.data.BulkSource(Record(path))),
+        BATCH,
+        seed=1,
+        workers=workers,
+        batch_transform=BatchAugment(rounds),
+    )
+
+
 def decoded(path: str) -> dict[str, np.ndarray]:
     """Every record decoded (not augmented): the baseline's arrays."""
     rows = np.asarray(records(path))
@@ -217,9 +277,13 @@ def trial(loader, steps: int, log_every: int) -> dict[str, float]:
     }
 
 
-def batch_seconds(ds: grain.MapDataset) -> float:
+def batch_seconds(ds: grain.MapDataset | pztrain.GrainLoader) -> float:
     """Seconds to prepare one batch in this process (median of 9 batches)."""
-    loader = pztrain.GrainLoader(ds, BATCH, seed=1)
+    loader = (
+        ds
+        if isinstance(ds, pztrain.GrainLoader)
+        else pztrain.GrainLoader(ds, BATCH, seed=1)
+    )
     times = []
     for step in range(9):
         t = time.perf_counter()
@@ -228,11 +292,11 @@ def batch_seconds(ds: grain.MapDataset) -> float:
     return statistics.median(times)
 
 
-def calibrate(path: str, step_seconds: float) -> tuple[int, float]:
-    """The augmentation rounds whose batch takes about ``step_seconds``, and
-    the seconds of a batch without augmentation."""
-    base = batch_seconds(pipeline(path, 0))
-    per_round = max(batch_seconds(pipeline(path, 4)) - base, 1e-6) / 4
+def calibrate(make, step_seconds: float) -> tuple[int, float]:
+    """The augmentation rounds with which ``make(rounds)``'s batch takes about
+    ``step_seconds``, and the seconds of a batch without augmentation."""
+    base = batch_seconds(make(0))
+    per_round = max(batch_seconds(make(16)) - base, 1e-6) / 16
     return max(1, round((step_seconds - base) / per_round)), base
 
 
@@ -260,19 +324,28 @@ def main() -> None:
         device = pztrain.ArrayLoader(decoded(path), BATCH, on_device=True)
         warm = trial(device, max(args.steps // 2, 2 * args.log_every), args.log_every)
         step_seconds = 1 / warm["steps_per_sec"]
-        rounds, base = calibrate(path, step_seconds)
+        rounds, base = calibrate(lambda r: pipeline(path, r), step_seconds)
         ds = pipeline(path, rounds)
         per_batch = batch_seconds(ds)
         print(
-            f"one step: {step_seconds * 1e3:.2f} ms; one batch of the pipeline in "
-            f"this process: {per_batch * 1e3:.2f} ms with {rounds} augmentation "
-            f"rounds ({base * 1e3:.2f} ms without)",
+            f"one step: {step_seconds * 1e3:.2f} ms; one batch of the per-example "
+            f"pipeline in this process: {per_batch * 1e3:.2f} ms with {rounds} "
+            f"augmentation rounds ({base * 1e3:.2f} ms without)",
+            flush=True,
+        )
+        b_rounds, b_base = calibrate(lambda r: batched_loader(path, r), step_seconds)
+        print(
+            f"one batch of the batched pipeline (batch_transform) in this process: "
+            f"{batch_seconds(batched_loader(path, b_rounds)) * 1e3:.2f} ms with "
+            f"{b_rounds} augmentation rounds ({b_base * 1e3:.2f} ms without)",
             flush=True,
         )
         loaders = {
             f"grain, {w} workers": pztrain.GrainLoader(ds, BATCH, seed=1, workers=w)
             for w in worker_counts
         }
+        for w in worker_counts:
+            loaders[f"grain batched, {w} workers"] = batched_loader(path, b_rounds, w)
         results = _interleaved(device, loaders, args)
     _report(results, load_start, _load(), args)
 

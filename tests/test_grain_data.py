@@ -135,6 +135,66 @@ def test_random_map_draws_anew_each_epoch_and_alike_on_any_process_count():
     )
 
 
+class Jitter:
+    """A batch transform: noise drawn from each row's position, the positions
+    kept (picklable, for grain's workers)."""
+
+    def __call__(self, batch, positions):
+        noise = np.array([np.random.default_rng(p).random() for p in positions])
+        return {**batch, "x": batch["x"] + noise[:, None], "pos": positions}
+
+
+def test_a_batch_transform_sees_the_rows_and_their_positions_on_any_process_count():
+    one = GrainLoader(examples(), 8, seed=2, batch_transform=Jitter())
+    half = [
+        GrainLoader(
+            examples(),
+            8,
+            seed=2,
+            batch_transform=Jitter(),
+            process_index=p,
+            process_count=2,
+        )
+        for p in range(2)
+    ]
+    plain = GrainLoader(examples(), 8, seed=2)
+    for step in (0, 7):  # epoch 0 and epoch 1: positions e * N + i
+        got = one.batch_at(step)
+        epoch = step // one.steps_per_epoch
+        assert (got["pos"] % N).tolist() == one.example_ids(step)
+        assert (got["pos"] // N == epoch).all()
+        noise = [np.random.default_rng(p).random() for p in got["pos"]]
+        np.testing.assert_allclose(
+            got["x"], plain.batch_at(step)["x"] + np.array(noise)[:, None], rtol=1e-6
+        )
+        halves = [h.batch_at(step) for h in half]
+        for key in got:
+            np.testing.assert_array_equal(
+                np.concatenate([h[key] for h in halves]), got[key]
+            )
+
+
+@pytest.mark.slow  # a worker process
+def test_a_batch_transform_runs_in_grain_workers():
+    loader = GrainLoader(examples(), 8, seed=2, workers=1, batch_transform=Jitter())
+    stream = loader.iter_from_step(3)
+    got = [next(stream) for _ in range(2)]
+    for step, batch in zip((3, 4), got, strict=True):
+        for key, want in loader.batch_at(step).items():
+            np.testing.assert_array_equal(batch[key], want)
+
+
+def test_bad_batch_transforms_are_named():
+    with pytest.raises(BatchError, match="batch_transform must be a function"):
+        GrainLoader(examples(), 8, batch_transform="x")
+    with pytest.raises(BatchError, match=re.escape("returned a list; it must return")):
+        GrainLoader(examples(), 8, batch_transform=lambda b, p: [b])
+    with pytest.raises(
+        BatchError, match=re.escape("returned 'x' of shape (2, 4) for a batch of 8")
+    ):
+        GrainLoader(examples(), 8, batch_transform=lambda b, p: {"x": b["x"][:2]})
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_iter_from_step_matches_batch_at_and_stacks_steps(k):
     loader = GrainLoader(examples(), 8, seed=4)

@@ -22,7 +22,7 @@ from pztrain.data._batch import BatchError
 from pztrain.data._bulk import BulkSource
 from pztrain.data._extras import exit_with_parent, import_extra, quiet_grain_flags
 from pztrain.data._placement import check_loader_sharding, host_rows
-from pztrain.data._reading import ReadCalls, Rows, stack_examples
+from pztrain.data._reading import ReadCalls, Rows
 from pztrain.data._stepped import StepLoader
 
 __all__ = ["GrainLoader"]
@@ -65,6 +65,14 @@ class GrainLoader(StepLoader):
         ``sharding``, else 0).
       process_count: The processes sharing each batch (default
         ``jax.process_count()`` with a ``sharding``, else 1).
+      batch_transform: ``fn(batch, positions) -> batch``, run in the workers
+        on each batch of this process's rows once they are stacked: ``batch``
+        a dict of arrays with a leading example axis, ``positions`` the index
+        each row was read at (``e * len + i``, what grain's
+        ``map_with_index`` gets), so augmentation drawn from it is the same
+        on any process count. Vectorised NumPy here costs once per batch what
+        a per-example ``.map`` costs per example. With ``workers`` it is
+        pickled: a module-level function or object.
 
     Raises:
       BatchError: naming the index, key or size at fault: examples that are
@@ -101,6 +109,7 @@ class GrainLoader(StepLoader):
         sharding: NamedSharding | None = None,
         process_index: int | None = None,
         process_count: int | None = None,
+        batch_transform: Any = None,
     ):
         grain = import_extra("grain")
         examples, batched = _examples(grain, dataset)
@@ -117,9 +126,15 @@ class GrainLoader(StepLoader):
         self.worker_buffer = worker_buffer
         self.sharding = sharding
         rows = host_rows(batch_size, sharding, process_index, process_count)
-        self._rows = Rows(examples, n, batch_size, rows, seed if shuffle else None)
-        first = self._rows.positions(0, (0, min(batch_size, _CHECKED)))
-        stack_examples(examples._getitems(first), first, n)
+        if batch_transform is not None and not callable(batch_transform):
+            raise BatchError(
+                "batch_transform must be a function (batch, positions) -> batch; "
+                f"got {type(batch_transform).__name__}."
+            )
+        self.batch_transform = batch_transform
+        seed_or_none = seed if shuffle else None
+        self._rows = Rows(examples, n, batch_size, rows, seed_or_none, batch_transform)
+        self._rows.read_at(self._rows.positions(0, (0, min(batch_size, _CHECKED))))
 
     @property
     def steps_per_epoch(self) -> int:

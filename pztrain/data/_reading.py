@@ -26,7 +26,7 @@ import numpy as np
 from pztrain._tree import describe, describe_shape
 from pztrain.data._batch import BatchError, stack_batches
 
-__all__ = ["ReadCalls", "Rows", "stack_examples"]
+__all__ = ["BatchTransform", "ReadCalls", "Rows", "stack_examples"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,8 @@ class Rows:
       seed: Shuffle each epoch with this seed (``None``: the dataset's own
         order), as grain's ``MapDataset.shuffle(seed)`` does: place ``i`` of
         epoch ``e`` holds example ``index_shuffle(i, seed=seed + e)``.
+      transform: ``(batch, positions) -> batch``, run on the stacked rows
+        (`BatchTransform`), or ``None``.
     """
 
     examples: Any
@@ -48,6 +50,7 @@ class Rows:
     batch_size: int
     rows: tuple[int, int]
     seed: int | None = None
+    transform: Any = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -72,9 +75,48 @@ class Rows:
 
     def read(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of global batch ``step``, read and stacked."""
-        positions = self.positions(step)
+        return self.read_at(self.positions(step))
+
+    def read_at(self, positions: list[int]) -> dict[str, np.ndarray]:
+        """The examples at ``positions``, read, stacked and transformed."""
         items = self.examples._getitems(positions)  # grain's batched read
-        return stack_examples(items, positions, self.num_examples)
+        batch = stack_examples(items, positions, self.num_examples)
+        if self.transform is None:
+            return batch
+        return BatchTransform(self.transform)(batch, positions)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchTransform:
+    """A function on whole batches, its result checked.
+
+    Attributes:
+      fn: ``fn(batch, positions) -> batch``: ``batch`` a dict of arrays with a
+        leading example axis, ``positions`` an int64 array of the index each
+        row was read at (``e * n + i``: example ``i`` in epoch ``e``). It
+        returns a dict of arrays with the same number of rows.
+    """
+
+    fn: Any
+
+    def __call__(self, batch: dict, positions: Sequence[int]) -> dict:
+        rows = len(positions)
+        out = self.fn(batch, np.asarray(positions, np.int64))
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        if not isinstance(out, Mapping):
+            raise BatchError(
+                f"batch_transform {name} returned a {type(out).__name__}; it must "
+                "return the batch: a dict of arrays, one row per example."
+            )
+        for key, value in out.items():
+            shape = np.shape(value)
+            if not shape or shape[0] != rows or not isinstance(key, str):
+                raise BatchError(
+                    f"batch_transform {name} returned {key!r} of shape {shape} for "
+                    f"a batch of {rows} rows: each value needs its rows along the "
+                    "first axis."
+                )
+        return {k: np.asarray(v) for k, v in out.items()}
 
 
 @dataclasses.dataclass(frozen=True)
