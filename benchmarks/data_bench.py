@@ -161,7 +161,7 @@ class BatchAugment:
 def batched_loader(path: str, rounds: int, workers: int = 0) -> pztrain.GrainLoader:
     """The records read a batch at a time, decoded and augmented per batch."""
     return pztrain.GrainLoader(
-        grain.MapDataset.source(pztrain.data.BulkSource(Record(path))),
+        Record(path),  # a data source: read a batch at a time (BulkSource)
         BATCH,
         seed=1,
         workers=workers,

@@ -69,7 +69,8 @@ class BulkSource:
         return self.source[int(index)]
 
     def _getitems(self, indices: Sequence[int]) -> Sequence[Any]:
-        keys = [int(i) for i in indices]
+        n = len(self.source)
+        keys = [int(i) % n for i in indices]  # index i as i mod len, as grain's
         if self._hf:
             columns = self.source[keys]
             return [{k: v[j] for k, v in columns.items()} for j in range(len(keys))]

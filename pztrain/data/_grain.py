@@ -216,7 +216,7 @@ def _examples(grain: Any, dataset: Any) -> tuple[Any, Any]:
                 "GrainLoader takes a grain.MapDataset, a datasets.Dataset or a data "
                 f"source with len() and [i]; got {type(dataset).__name__}."
             )
-        return grain.MapDataset.source(BulkSource(dataset)), None
+        return BulkSource(dataset), None  # read a batch at a time, as grain would
     chain = _chain(dataset)
     batches = [d for d in chain if type(d).__name__ == "BatchMapDataset"]
     if not batches:

@@ -34,7 +34,9 @@ class Rows:
     """Where a process's rows of each global batch come from.
 
     Attributes:
-      examples: A grain ``MapDataset`` of examples (flat dicts of arrays).
+      examples: A grain ``MapDataset`` of examples (flat dicts of arrays), or
+        a `pztrain.data.BulkSource` (a data source read a batch at a time);
+        either reads with ``_getitems(positions)``.
       num_examples: Its length ``n`` (one epoch).
       batch_size: Examples per global batch.
       rows: This process's ``(start, stop)`` rows of each global batch.
