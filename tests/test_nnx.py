@@ -466,14 +466,28 @@ def test_a_loss_that_creates_variables_is_refused():
     with pytest.raises(
         PartitionError,
         match=re.escape(
-            "The loss function created ['seen (BatchStat)'] NNX variables "
-            "during the step. pztrain carries a model's variables from step to "
-            "step, so they are fixed when the state is built: create variables "
-            "in the module's __init__, and collect intermediates with "
+            "The loss function created ['seen (BatchStat)'] NNX variables of "
+            "the MLP model during the step. pztrain carries a model's variables "
+            "from step to step, so they are fixed when the state is built: "
+            "create variables in the model's __init__, and collect intermediates with "
             "nnx.capture (or nnx.pop them before the loss returns)."
         ),
     ):
         pztrain.build_train_step(creating)(_state(), **batch())
+
+
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)':DeprecationWarning")
+def test_a_loss_that_sows_intermediates_is_refused():
+    def sowing(*, model, state, rng, x, y):
+        h = model.l1(x)
+        model.sow(nnx.Intermediate, "h", h)  # a new variable, outside nnx.capture
+        return jnp.mean(h), state, {}
+
+    with pytest.raises(
+        PartitionError,  # sow keeps a tuple: 'h/0'
+        match=r"created \['h(/0)? \(Intermediate\)'\] NNX variables of the MLP model",
+    ):
+        pztrain.build_train_step(sowing)(_state(), **batch())
 
 
 def test_a_variable_whose_dtype_changes_is_named():

@@ -235,7 +235,7 @@ def _after(module: Any, rest: NnxModel) -> NnxModel:
     entries = _entries(nnx, nnx.split(module)[1])
     names = tuple(name for name, _, _ in entries)
     if names != rest.names:
-        raise _changed_variables(rest.names, entries)
+        raise _changed_variables(type(module).__name__, rest.names, entries)
     values = []
     for (name, _, new), old, is_param in zip(
         entries, rest.values, rest.params, strict=True
@@ -254,7 +254,7 @@ def _after(module: Any, rest: NnxModel) -> NnxModel:
 
 
 def _changed_variables(
-    before: tuple[str, ...], entries: list[tuple[str, Any, Any]]
+    model: str, before: tuple[str, ...], entries: list[tuple[str, Any, Any]]
 ) -> PartitionError:
     types = {name: type(var).__name__ for name, var, _ in entries}
     added = [f"{n} ({types[n]})" for n in types if n not in before]
@@ -266,8 +266,8 @@ def _changed_variables(
         what.append(f"removed {removed}")
     return PartitionError(
         f"The loss function {' and '.join(what) or 'restructured'} NNX variables "
-        "during the step. pztrain carries a model's variables from step to step, "
-        "so they are fixed when the state is built: create variables in the "
-        "module's __init__, and collect intermediates with nnx.capture (or "
-        "nnx.pop them before the loss returns)."
+        f"of the {model} model during the step. pztrain carries a model's "
+        "variables from step to step, so they are fixed when the state is built: "
+        "create variables in the model's __init__, and collect intermediates "
+        "with nnx.capture (or nnx.pop them before the loss returns)."
     )
