@@ -326,6 +326,56 @@ def test_outside_the_main_thread_no_handler_is_installed():
     assert out["result"][1].stop_reason is None
 
 
+class SignalAtEnd(Callback):
+    """Sends ``sig`` to this process in ``on_train_end``: after the loop's
+    last read of the stop flag."""
+
+    def __init__(self, sig=signal.SIGINT):
+        self.sig = sig
+
+    def on_train_end(self, state, history):
+        kill_self(self.sig)
+
+
+def test_a_late_sigterm_reaches_the_previous_handler_once_fit_is_over(tmp_path):
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+
+        class Look(SignalAtEnd):
+            def on_train_end(self, state, history):
+                super().on_train_end(state, history)
+                self.seen_then = list(seen)  # fit's handler holds it
+
+        look = Look(signal.SIGTERM)
+        ckpts = pztrain.Checkpoints(tmp_path, every_steps=4)
+        state, history = run(num_steps=8, callbacks=[look], checkpoints=ckpts)
+        assert look.seen_then == [] and seen == [signal.SIGTERM]
+        assert int(state.step) == 8 and ckpts.steps()[-1] == 8  # all saved first
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_late_sigint_raises_once_fit_is_over_and_keeps_the_state():
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        run(num_steps=8, log_every=4, callbacks=[SignalAtEnd()])
+    assert int(caught.value.train_state.step) == 8
+    assert "state = err.train_state" in "\n".join(caught.value.__notes__)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_late_sigint_during_evaluate_raises_after_it():
+    def batches():
+        yield EVAL_DATA[0]
+        yield EVAL_DATA[1]
+        kill_self()  # after the last batch was read
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        pztrain.evaluate(new_state(), EVAL, batches())
+    assert "evaluate was interrupted" not in str(caught.value)
+
+
 def test_evaluate_alone_stops_between_batches_on_sigint():
     before = signal.getsignal(signal.SIGINT)
 

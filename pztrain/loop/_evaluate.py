@@ -66,6 +66,7 @@ def evaluate(
     """
     with stop_signals() as flag:
         values = evaluate_until(state, eval_step, data, flag, ema)
+        flag.acted = values is None  # stopped on it: said below
     if values is None:
         raise KeyboardInterrupt(
             "evaluate was interrupted between two batches; nothing changed (the "

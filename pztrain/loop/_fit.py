@@ -107,16 +107,22 @@ def _fit(args: FitArguments) -> tuple[TrainState, History]:
     """`fit` on checked arguments: the run's signal handlers, the run
     directory's lock (`Checkpoints.prepare` takes its own), then checkpoints
     prepared, the run wired and trained."""
-    state, checkpoints = args.state, args.checkpoints
-    with (
-        stop_signals(args.preempt_on) as flag,
-        locked(_own_run_dir(args)),
-        checkpoints if checkpoints is not None else contextlib.nullcontext(),
-    ):
-        if checkpoints is not None:
-            state = checkpoints.prepare(state, args.callbacks, resume=args.resume)
-        run = _Run.wire(args, _schedule(state, args), flag)
-        return _train(state, run), run.history
+    state, checkpoints, trained = args.state, args.checkpoints, None
+    try:
+        with (
+            stop_signals(args.preempt_on) as flag,
+            locked(_own_run_dir(args)),
+            checkpoints if checkpoints is not None else contextlib.nullcontext(),
+        ):
+            if checkpoints is not None:
+                state = checkpoints.prepare(state, args.callbacks, resume=args.resume)
+            run = _Run.wire(args, _schedule(state, args), flag)
+            trained = _train(state, run)
+            return trained, run.history
+    except BaseException as e:  # e.g. a late signal's KeyboardInterrupt
+        if trained is not None:
+            keep_state(e, trained)
+        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +189,7 @@ class _Run:
     def stopped(self, state: TrainState, step: int) -> None:
         """After a stop by a signal at ``step``: its checkpoint (synchronous,
         after the pending saves), and one line that says so (process 0)."""
+        self.stops.acted = True
         saved = None
         if self.checkpoints is not None:
             saved = self.checkpoints.save_stopped(state, step, self.reporter.owed)

@@ -10,6 +10,10 @@ default of SIGTERM ends the process. The previous handlers come back when `fit`
 ends, however it ends. Outside the main thread no handler can be installed:
 signals act as they would without pztrain.
 
+A signal that comes after the loop's last read of the flag (during the final
+save or ``on_train_end``) is not lost: once `fit` is over (its saves on disk,
+its locks released) it acts as it would have without pztrain.
+
 With JAX's distributed runtime, JAX's preemption notifier owns SIGTERM (pztrain
 never replaces it). Every process asks JAX's preemption sync point
 (`jax.experimental.multihost_utils.reached_preemption_sync_point`) before each
@@ -101,11 +105,15 @@ class StopFlag:
         e.g. at host points; it is never a collective).
       reason: ``"interrupted"`` or ``"preempted"`` once stopped.
       signal_name: The signal this process got (``None`` if none).
+      acted: Set by the run once it has stopped on the flag (saved, said
+        so); a signal that came after its last read was not acted on, and
+        is delivered again once the run is over (`stop_signals`).
     """
 
     requested: bool = False
     stopped: bool = False
     signal_name: str | None = None
+    acted: bool = False
 
     @property
     def reason(self) -> str:
@@ -212,6 +220,19 @@ def stop_signals(preempt_on: Iterable[signal.Signals] = ()) -> Iterator[StopFlag
             replaced = signal.signal(sig, handler.previous)
             if replaced is not handler:  # another came meanwhile: it stays
                 signal.signal(sig, replaced)
+    _deliver_late(flag, [handler for _, handler in installed])
+
+
+def _deliver_late(flag: StopFlag, handlers: list[_Handler]) -> None:
+    """A signal that came after the run's last read of the flag (during its
+    final save or ``on_train_end``) acts now, as it would have without
+    pztrain: SIGINT raises `KeyboardInterrupt`, SIGTERM's default ends the
+    process. The run is over by then: its saves are on disk."""
+    if flag.acted:
+        return
+    for handler in handlers:
+        if handler.seen and handler.sig.name == flag.signal_name:
+            _chain(handler.previous, handler.sig, None)
 
 
 def _several_processes() -> bool:
