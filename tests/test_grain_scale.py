@@ -151,6 +151,40 @@ if __name__ == "__main__":
     assert out.stdout.startswith("Example 30['x'] is float32[3], example 24's is")
 
 
+def test_ctrl_c_to_the_process_group_stops_fit_and_leaves_the_workers_quiet(tmp_path):
+    # A terminal's Ctrl-C (and a notebook's interrupt) signals the whole group.
+    code = f"""
+import os, signal, sys
+sys.path.insert(0, {str(HERE)!r})
+import test_grain_data as t
+import pztrain
+
+class CtrlC(pztrain.Callback):
+    def on_log(self, state, record):
+        if record["step"] == 20:
+            os.killpg(os.getpgid(0), signal.SIGINT)
+
+if __name__ == "__main__":
+    loader = pztrain.GrainLoader(t.examples(), 8, seed=2, workers=1)
+    state, history = pztrain.fit(t._state(), t.STEP, loader, num_steps=10_000,
+                                 log_every=10, progress=False, loggers=[],
+                                 callbacks=[CtrlC()])
+    print(history.stop_reason, int(state.step))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, PYTHONPATH=str(HERE.parent)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        start_new_session=True,  # its own process group, this test outside it
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[-1] == "interrupted 20"
+    assert "KeyboardInterrupt" not in out.stderr, out.stderr[-3000:]
+
+
 def _launch(run_dir: Path, num: int, kill: int, tag: str) -> list:
     """``num`` processes of ``grain_multihost_worker.py`` over 4 devices in all."""
     with socket.socket() as s:

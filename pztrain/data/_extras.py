@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 import threading
 import time
 from types import ModuleType
 from typing import Any
 
-__all__ = ["exit_with_parent", "import_extra", "loaded", "quiet_grain_flags"]
+__all__ = ["import_extra", "loaded", "quiet_grain_flags", "worker_init"]
 
 _EXTRAS = {"grain": "data", "array_record": "data", "datasets": "hf"}
 
@@ -57,16 +58,21 @@ def quiet_grain_flags() -> None:
         flags.FLAGS[name].present = True
 
 
-def exit_with_parent(parent: int, worker: int = 0, workers: int = 1) -> None:
-    """Ends this grain worker process once process ``parent`` is gone.
+def worker_init(parent: int, worker: int = 0, workers: int = 1) -> None:
+    """Sets up a grain worker process of process ``parent``: it ignores SIGINT
+    and ends once ``parent`` is gone.
 
-    grain's workers stop when their iterator is closed; a parent killed
-    outright (SIGKILL, the OOM killer) closes nothing, and its workers would
-    wait for it forever. A daemon thread checks every half second whether this
-    process was handed to another parent. ``worker`` and ``workers`` are
-    grain's worker index and count (unused).
+    Ctrl-C in a terminal, or a notebook's interrupt, goes to the whole process
+    group: the workers would die with ``KeyboardInterrupt`` tracebacks while
+    ``fit`` stops cleanly and closes them itself. grain's workers stop when
+    their iterator is closed; a parent killed outright (SIGKILL, the OOM
+    killer) closes nothing, and its workers would wait for it forever: a
+    daemon thread checks every half second whether this process was handed to
+    another parent. ``worker`` and ``workers`` are grain's worker index and
+    count (unused).
     """
     del worker, workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def watch() -> None:
         while os.getppid() == parent:

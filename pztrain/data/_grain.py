@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 
 from pztrain.data._batch import BatchError
 from pztrain.data._bulk import BulkSource
-from pztrain.data._extras import exit_with_parent, import_extra, quiet_grain_flags
+from pztrain.data._extras import import_extra, quiet_grain_flags, worker_init
 from pztrain.data._placement import check_loader_sharding, host_rows
 from pztrain.data._reading import ReadCalls, Rows
 from pztrain.data._stepped import StepLoader
@@ -182,7 +182,7 @@ class GrainLoader(StepLoader):
                 grain.MultiprocessingOptions(
                     num_workers=self.workers, per_worker_buffer_size=self.worker_buffer
                 ),
-                worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
+                worker_init_fn=functools.partial(worker_init, os.getpid()),
             )
         iterator = iter(ds)
         try:
