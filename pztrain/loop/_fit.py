@@ -100,14 +100,14 @@ def fit(
       TypeError, ValueError: A bad argument or option (named in the message).
       DirectoryInUseError: Another run holds ``checkpoints`` or ``run_dir``.
     """
-    return _fit(FitArguments(**locals()))
+    return _fit(state, FitArguments(**locals()))  # FitArguments checks them all
 
 
-def _fit(args: FitArguments) -> tuple[TrainState, History]:
+def _fit(state: TrainState, args: FitArguments) -> tuple[TrainState, History]:
     """`fit` on checked arguments: the run's signal handlers, the run
     directory's lock (`Checkpoints.prepare` takes its own), then checkpoints
     prepared, the run wired and trained."""
-    state, checkpoints, trained = args.state, args.checkpoints, None
+    checkpoints, trained = args.checkpoints, None
     try:
         with (
             stop_signals(args.preempt_on) as flag,
