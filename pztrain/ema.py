@@ -40,7 +40,16 @@ __all__ = [
 
 
 class NoEmaError(ValueError):
-    """An EMA of the params was asked of a state (or checkpoint) that has none."""
+    """An EMA of the params was asked of a state (or checkpoint) that has none.
+
+    Example:
+      >>> import optax
+      >>> try:
+      ...     ema_params_of(optax.sgd(0.1).init({"w": jnp.zeros(2)}))
+      ... except NoEmaError as e:
+      ...     print(e)  # doctest: +ELLIPSIS
+      This state has no EMA of its params: build its optimizer with pztrain.with_ema...
+    """
 
 
 class EmaState(NamedTuple):
@@ -50,6 +59,12 @@ class EmaState(NamedTuple):
       inner: The wrapped optimizer's state.
       count: The number of updates so far (int32 scalar).
       ema_params: The EMA of the params, with the params' structure and dtypes.
+
+    Example:
+      >>> import optax
+      >>> opt_state = with_ema(optax.sgd(0.1), decay=0.9).init({"w": jnp.ones(2)})
+      >>> type(opt_state).__name__, int(opt_state.count), opt_state.ema_params
+      ('EmaState', 0, {'w': Array([1., 1.], dtype=float32)})
     """
 
     inner: Any
@@ -138,6 +153,12 @@ def ema_params_of(opt_state: Any) -> Any:
     Raises:
       NoEmaError: if it holds none, saying how to keep one.
       ValueError: if it holds more than one.
+
+    Example:
+      >>> import optax
+      >>> tx = optax.chain(optax.clip(1.0), with_ema(optax.sgd(0.1), decay=0.9))
+      >>> ema_params_of(tx.init({"w": jnp.ones(2)}))
+      {'w': Array([1., 1.], dtype=float32)}
     """
     found = states_of(opt_state, EmaState)
     if not found:
@@ -154,7 +175,16 @@ def ema_params_of(opt_state: Any) -> Any:
 
 
 def has_ema(opt_state: Any) -> bool:
-    """Whether ``opt_state`` holds an `EmaState`."""
+    """Whether ``opt_state`` holds an `EmaState`.
+
+    Example:
+      >>> import optax
+      >>> params = {"w": jnp.ones(2)}
+      >>> has_ema(with_ema(optax.sgd(0.1), 0.9).init(params))
+      True
+      >>> has_ema(optax.sgd(0.1).init(params))
+      False
+    """
     return bool(states_of(opt_state, EmaState))
 
 

@@ -53,7 +53,17 @@ NO_DECAY = r"(?i)(bias|norm|(^|[/.])(b|beta|gamma|scale|offset)$)"
 
 
 class GroupError(ValueError):
-    """A parameter group rule that cannot be applied: names the label or param."""
+    """A parameter group rule that cannot be applied: names the label or param.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> tx = group_optimizer({"embed": optax.sgd(0.1)}, [(r"^embed", "embed")])
+      >>> try:
+      ...     tx.init({"embed": jnp.ones(2), "w": jnp.ones(2)})
+      ... except GroupError as e:
+      ...     print(e)  # doctest: +ELLIPSIS
+      Parameter 'w' matches no rule and there is no default label: ...
+    """
 
 
 class _Rule:

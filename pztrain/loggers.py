@@ -30,7 +30,20 @@ __all__ = [
 
 @runtime_checkable
 class Logger(Protocol):
-    """What `pztrain.fit` calls on each logger."""
+    """What `pztrain.fit` calls on each logger.
+
+    Example:
+      Any object with the three methods is one (give it to ``fit(loggers=)``):
+
+      >>> class PrintLogger:
+      ...     def log_hparams(self, hparams): print("hparams", hparams)
+      ...     def log_record(self, record): print(record["step"], record["metrics"])
+      ...     def close(self): pass
+      >>> isinstance(PrintLogger(), Logger)
+      True
+      >>> PrintLogger().log_record({"step": 10, "metrics": {"loss": 0.5}})
+      10 {'loss': 0.5}
+    """
 
     def log_hparams(self, hparams: dict[str, Any]) -> None:
         """Records the run's hyperparameters (called once, at the start)."""
@@ -132,6 +145,16 @@ class TensorBoardLogger:
 
     Args:
       run_dir: The directory for the event files.
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     log = TensorBoardLogger(d)
+      ...     log.log_record({"step": 1, "split": "train", "metrics": {"loss": 0.5}})
+      ...     log.close()
+      ...     (events,) = pathlib.Path(d).glob("events.out.tfevents.*")
+      ...     print(b"train/loss" in events.read_bytes())
+      True
     """
 
     def __init__(self, run_dir: str | os.PathLike):
@@ -305,6 +328,20 @@ class MLflowLogger:
 
     Attributes:
       run_id: The MLflow run's id.
+
+    Example:
+      A local file store (MLflow asks for ``MLFLOW_ALLOW_FILE_STORE`` to use one):
+
+      >>> import tempfile, unittest.mock
+      >>> from mlflow.tracking import MlflowClient
+      >>> with (tempfile.TemporaryDirectory() as d,
+      ...       unittest.mock.patch.dict(os.environ, MLFLOW_ALLOW_FILE_STORE="1")):
+      ...     uri = f"file://{d}/mlruns"
+      ...     log = MLflowLogger("demo", tracking_uri=uri)
+      ...     log.log_record({"step": 1, "split": "train", "metrics": {"loss": 0.5}})
+      ...     log.close()
+      ...     print(MlflowClient(uri).get_run(log.run_id).data.metrics)
+      {'train/loss': 0.5}
     """
 
     def __init__(
@@ -368,6 +405,16 @@ class WandbLogger:
 
     Attributes:
       run: The ``wandb.Run``.
+
+    Example:
+      With ``mode="disabled"`` nothing is written or sent (W&B's dry run):
+
+      >>> log = WandbLogger("demo", mode="disabled")
+      >>> log.log_hparams({"lr": 0.1})
+      >>> log.log_record({"step": 1, "split": "train", "metrics": {"loss": 0.5}})
+      >>> log.run.config["lr"], log.run.summary["train/loss"]
+      (0.1, 0.5)
+      >>> log.close()
     """
 
     def __init__(

@@ -88,6 +88,19 @@ class LoopInfo:
       train_step: The train step given to `fit` (``None`` outside `fit`).
       train_data: The train data given to `fit` (``None`` outside `fit`).
       checkpoints: The `pztrain.Checkpoints` given to `fit`, or ``None``.
+
+    Example:
+      A callback reads it at the start (here given one as `fit` would):
+
+      >>> class Plan:
+      ...     def on_train_start(self, state, info):
+      ...         print(f"steps {info.start_step}-{info.end_step}, "
+      ...               f"{info.end_step // info.log_every} log points")
+      >>> info = LoopInfo(start_step=0, end_step=1000, steps_per_epoch=100,
+      ...                 steps_per_call=1, log_every=100, evaluates=False,
+      ...                 run_dir=None)
+      >>> Plan().on_train_start(None, info)
+      steps 0-1000, 10 log points
     """
 
     start_step: int
@@ -121,6 +134,15 @@ class History:
       stop_reason: Why the run ended early, or ``None``: a `Stop`'s reason,
         ``"interrupted"`` (SIGINT) or ``"preempted"`` (a preemption signal),
         or that the training data ran out.
+
+    Example:
+      >>> h = History([{"step": 10, "split": "train", "metrics": {"loss": 0.9}},
+      ...              {"step": 20, "split": "train", "metrics": {"loss": 0.4}},
+      ...              {"step": 20, "split": "eval", "metrics": {"loss": 0.5}}])
+      >>> h.series("loss")
+      ([10, 20], [0.9, 0.4])
+      >>> h.last("eval")["metrics"], h.metric_names()
+      ({'loss': 0.5}, {'loss'})
     """
 
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -262,6 +284,14 @@ def read_jsonl(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
     A last line cut short (a run killed while writing it) is not a record and
     is left out; any other line that is not JSON is an error.
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     text = '{"step": 1}\\n{"step": 2}\\n{"st'  # killed mid-line
+      ...     _ = pathlib.Path(d, "metrics.jsonl").write_text(text)
+      ...     print(read_jsonl(d))
+      [{'step': 1}, {'step': 2}]
     """
     path = Path(run_dir) / "metrics.jsonl"
     text = path.read_text()

@@ -21,7 +21,14 @@ __all__ = ["OptunaPruning", "import_optuna"]
 
 
 def import_optuna() -> Any:
-    """The ``optuna`` module, or an `ImportError` naming the extra to install."""
+    """The ``optuna`` module, or an `ImportError` naming the extra to install.
+
+    Example:
+      >>> optuna = import_optuna()
+      >>> optuna.logging.set_verbosity(optuna.logging.WARNING)
+      >>> optuna.create_study(direction="maximize").direction.name
+      'MAXIMIZE'
+    """
     try:
         import optuna
     except ImportError:
