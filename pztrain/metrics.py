@@ -29,6 +29,14 @@ class Summary(NamedTuple):
       count: The number of steps summed.
       nonfinite: How many of them had a NaN or infinite loss.
       first_nonfinite_step: The first such step, or -1.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> sums = MetricSums.zeros(["loss"])
+      >>> for step, loss in enumerate([1.0, 3.0]):
+      ...     sums = sums.add(jnp.float32(loss), {}, jnp.int32(step))
+      >>> sums.read()
+      Summary(means={'loss': 2.0}, count=2, nonfinite=0, first_nonfinite_step=-1)
     """
 
     means: dict[str, float]

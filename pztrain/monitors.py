@@ -138,6 +138,20 @@ class Profile(Callback):
 
     Attributes:
       traced: ``(first step, step after the last)`` once the trace is written.
+
+    Example:
+      Give it to ``fit(..., callbacks=[profile])``; here driven as `fit` does:
+
+      >>> import pathlib, tempfile
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     profile = Profile(start_step=2, num_steps=3, log_dir=d)
+      ...     print(profile.on_advance(0, t=0.0))  # stop me at step 2
+      ...     print(profile.on_advance(2, t=0.1))  # tracing; stop me at 5
+      ...     _ = profile.on_advance(5, t=0.2)
+      ...     print(profile.traced, len(list(pathlib.Path(d).rglob("*.xplane.pb"))))
+      2
+      5
+      (2, 5) 1
     """
 
     def __init__(self, start_step: int, num_steps: int, log_dir: str | os.PathLike):

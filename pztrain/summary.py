@@ -6,7 +6,6 @@ type, and the sharding when a state is placed on a mesh), then the totals of
 each part of the state, the step and the key. Typed PRNG key arrays show as
 ``key<fry>`` with the bytes of their key data. The result, a `Summary`, is a
 ``str`` (``print(state.summary())``) that a notebook shows as an HTML table.
-
 Treescope's own view of a state is `pztrain._treescope.readable_treescope`.
 """
 
@@ -66,18 +65,24 @@ class ParamRow:
       count: The number of values.
       nbytes: The bytes it takes.
       kind: ``"trainable"`` (in ``state.params``), ``"frozen"`` (a penzai or
-        NNX parameter left in the model, or a float array that the
-        ``trainable`` filter left out of another model), ``"state"`` (a penzai
-        state variable, or a Flax NNX variable that is not an ``nnx.Param``),
-        ``"constant"`` (an array a penzai model holds outside any variable:
-        ``ConstantRescale``'s ``by``, an attention mask's
-        ``masked_out_value``) or ``"buffer"`` (any other array, e.g. integer
-        indices or a key).
+        NNX parameter left in the model, or a float array that the ``trainable``
+        filter left out of another model), ``"state"`` (a penzai state variable,
+        or a Flax NNX variable that is not an ``nnx.Param``), ``"constant"`` (an
+        array a penzai model holds outside any variable: ``ConstantRescale``'s
+        ``by``, an attention mask's ``masked_out_value``) or ``"buffer"`` (any
+        other array, e.g. integer indices or a key).
       sharding: The ``PartitionSpec`` of a ``NamedSharding`` (``"P('data',
         None)"``), a description of another multi-device sharding, or ``None``.
       variable: A Flax NNX model's variable type (``"Param"``,
         ``"BatchStat"``, ``"RngKey"``, ``"RngCount"`` …), else ``None``; the
         table shows it after the kind: ``state (BatchStat)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, pztrain
+      >>> state = pztrain.TrainState.initial_state(
+      ...     {"w": jnp.zeros((2, 3))}, optax.sgd(0.1), jax.random.key(0))
+      >>> [(r.name, r.shape, r.kind, r.nbytes) for r in state.summary().rows]
+      [('w', (2, 3), 'trainable', 24)]
     """
 
     name: str
@@ -236,8 +241,7 @@ def _total(part: str, tree: Any, detail: str) -> tuple[str, ...]:
 
 
 def _per_device(arrays: Sequence[Any]) -> int:
-    """The bytes of ``arrays`` on their most loaded device (a host array's
-    whole size): what the state costs each device on a mesh."""
+    """Bytes of ``arrays`` on the most loaded device (a host array: all of it)."""
     load: dict[Any, int] = {}
     host = 0
     for x in arrays:
@@ -316,8 +320,7 @@ def _row_cells(rows: Sequence[ParamRow], sharded: bool) -> list[tuple[str, ...]]
 class Summary(str):
     """The text of ``state.summary()``: a ``str`` that notebooks show as HTML.
 
-    ``print(summary)`` prints the text table; a notebook cell ending in
-    ``state.summary()`` shows HTML tables (`_repr_html_`).
+    ``print(summary)``: the text table; in a notebook, HTML tables (`_repr_html_`).
 
     Attributes:
       title: The first line (state type, step, trainable and frozen sizes).
@@ -326,6 +329,15 @@ class Summary(str):
         of the state, as text (``per device``: on the most loaded device).
       step: The step, read from the device.
       key: The root key's implementation and shape.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, pztrain
+      >>> summary = pztrain.TrainState.initial_state(
+      ...     {"w": jnp.zeros(3)}, optax.sgd(0.1), jax.random.key(0)).summary()
+      >>> summary.title
+      'TrainState at step 0: 1 trainable array, 3 values (12 B); 0 frozen'
+      >>> summary.totals[0][:4], isinstance(summary, str)
+      (('params', '1', '3', '12 B'), True)
     """
 
     title: str

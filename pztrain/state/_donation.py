@@ -24,7 +24,24 @@ _CONSUMERS: dict[int, tuple[weakref.ref, str]] = {}
 
 
 class DonatedStateError(RuntimeError):
-    """A state whose arrays were donated to a train step was used again."""
+    """A state whose arrays were donated to a train step was used again.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from pztrain import TrainState, build_train_step
+      >>> def loss_fn(*, model, state, rng):
+      ...     return jnp.sum(model["w"] ** 2), state, {}
+      >>> state = TrainState.initial_state({"w": jnp.ones(2)}, optax.sgd(0.1),
+      ...                                  jax.random.key(0))
+      >>> new_state, aux = build_train_step(loss_fn)(state)  # consumes state
+      >>> try:
+      ...     state.summary()
+      ... except DonatedStateError as e:
+      ...     print(e)  # doctest: +ELLIPSIS
+      state.summary(): the params of this TrainState were donated to a train step...
+      >>> int(new_state.step)  # the state the step returned is the one to use
+      1
+    """
 
 
 def _forget(key: int) -> Any:

@@ -18,6 +18,17 @@ class StepMemory(NamedTuple):
         gradients, optimizer temporaries).
       aliased: Outputs written over donated inputs (counted once, in
         ``arguments``).
+
+    Example:
+      What ``train_step.memory(state, **batch)`` returns (here made by hand):
+
+      >>> memory = StepMemory(arguments=2048, outputs=2048, temporaries=512,
+      ...                     aliased=2048)
+      >>> memory.total
+      2560
+      >>> print(memory)  # doctest: +NORMALIZE_WHITESPACE
+      2.5 KiB per device (arguments 2.0 KiB, outputs 2.0 KiB, temporaries 512 B,
+      donated and reused 2.0 KiB)
     """
 
     arguments: int
@@ -48,6 +59,17 @@ class StepCost(NamedTuple):
         for one device's program times the number of devices).
       memory: The memory per device (`StepMemory`).
       devices: How many devices run the step.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from pztrain import TrainState, build_train_step
+      >>> def loss_fn(*, model, state, rng, x):
+      ...     return jnp.mean(x @ model["w"]), state, {}
+      >>> state = TrainState.initial_state({"w": jnp.ones((64, 32))},
+      ...                                  optax.sgd(0.1), jax.random.key(0))
+      >>> cost = build_train_step(loss_fn).cost(state, x=jnp.ones((16, 64)))
+      >>> cost.flops >= 2 * 16 * 64 * 32, cost.devices  # at least the matmul
+      (True, 1)
     """
 
     flops: float

@@ -62,6 +62,12 @@ class LossFunction(Protocol):
           ``(loss, new_state, aux)``: a float scalar, a new state with the
           structure of ``state``, and any pytree (usually a dict of scalar
           metrics).
+
+        Example:
+          >>> def loss_fn(*, model, state, rng, x):  # state: a count of calls
+          ...     return jnp.mean((x - model["w"]) ** 2), state + 1, {"w": model["w"]}
+          >>> loss_fn(model={"w": 1.0}, state=0, rng=jax.random.key(0), x=jnp.ones(3))
+          (Array(0., dtype=float32), 1, {'w': 1.0})
         """
 
 
@@ -70,6 +76,14 @@ class OnDeviceBatches(Protocol):
 
     `pztrain.data.IndexedBatches` is one. Give it to a step positionally instead
     of keyword arrays: ``train_step(state, batches)``.
+
+    Example:
+      >>> class Cycle(NamedTuple):  # a pytree: step s takes row s % 3 of xs
+      ...     xs: jax.Array
+      ...     def take(self, step, count=1): return {"x": self.xs[step % 3]}
+      ...     def batch_shapes(self): return {"x": jax.ShapeDtypeStruct((2,), "f4")}
+      >>> jax.jit(Cycle.take)(Cycle(jnp.arange(6.0).reshape(3, 2)), 4)["x"]  # step 4
+      Array([2., 3.], dtype=float32)
     """
 
     def take(self, step: jax.Array, count: int) -> dict[str, jax.Array]:
@@ -153,6 +167,15 @@ class StepOutputs(NamedTuple):
       loss_fn_state: The loss function's new state.
       aux: The loss function's aux output.
       grads: Gradients of the loss with respect to ``state.params``.
+
+    Example:
+      >>> import optax, pztrain
+      >>> def loss_fn(*, model, state, rng):
+      ...     return jnp.sum(model["w"] ** 2), state, {}
+      >>> st = pztrain.TrainState.initial_state(
+      ...     {"w": jnp.ones(2)}, optax.sgd(0.1), jax.random.key(0))
+      >>> pztrain.build_train_step(loss_fn).compute_grads(st).grads  # d/dw sum(w**2)
+      {'w': Array([2., 2.], dtype=float32)}
     """
 
     loss: jax.Array
