@@ -1,7 +1,8 @@
 """Sharding rules, sharded init and mesh train steps on 8 simulated devices.
 
-The cases live in ``mesh_cases.py``: the device count must be set before jax is
-imported, so they run in a pytest subprocess with ``XLA_FLAGS``."""
+The cases live in ``mesh_cases.py`` and ``explicit_mesh_cases.py``: the device
+count must be set before jax is imported, so they run in a pytest subprocess with
+``XLA_FLAGS``."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ pytestmark = pytest.mark.slow  # subprocesses, notebooks, examples
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_mesh_cases_on_eight_devices():
+@pytest.mark.parametrize("cases", ["mesh_cases.py", "explicit_mesh_cases.py"])
+def test_mesh_cases_on_eight_devices(cases):
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env["PYTHONPATH"] = str(ROOT)
@@ -29,7 +31,7 @@ def test_mesh_cases_on_eight_devices():
             "-q",
             "-p",
             "no:cacheprovider",
-            str(ROOT / "tests" / "mesh_cases.py"),
+            str(ROOT / "tests" / cases),
         ],
         cwd=ROOT,
         env=env,

@@ -1,0 +1,169 @@
+"""Explicit meshes on 8 simulated CPU devices: storage and compute layouts,
+micro-batches, and the errors a step on a mesh gives; run by ``test_mesh.py`` in a
+subprocess (the device count must be set before jax is imported)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+from mesh_cases import LAYOUTS, batches, collectives, loss_fn, make_state, mesh
+
+import pztrain
+from pztrain.sharding import ShardingError, ShardingRules, sharded_initial_state
+
+
+@pytest.fixture(autouse=True)
+def _eight_devices():
+    assert jax.device_count() == 8, "run with --xla_force_host_platform_device_count=8"
+
+
+def _collectives_of(layout, types, **build):
+    shape, names, rules = LAYOUTS[layout]
+    m = mesh(shape, names, types)
+    state = sharded_initial_state(make_state, m, rules)
+    step = pztrain.build_train_step(loss_fn, mesh=m, **build)
+    x, y = batches(1, batch=64)
+    return collectives(step.lower(state, x=x[0], y=y[0]).compile().as_text())
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_explicit_and_auto_meshes_compile_the_same_collectives(layout):
+    assert _collectives_of(layout, "explicit") == _collectives_of(layout, "auto")
+
+
+@pytest.mark.parametrize("types", ["auto", "explicit"])
+@pytest.mark.parametrize("layout", ["dp", "fsdp"])
+def test_microbatches_reduce_the_grads_once_per_step(layout, types):
+    found = _collectives_of(layout, types, microbatches=4)
+    gathers = {"dp": 0, "fsdp": 3}[layout]  # each FSDP param gathered once
+    assert found == {
+        "all-reduce": 1,  # grads, loss and metrics together, after the scan
+        "all-gather": gathers,
+        "reduce-scatter": 0,
+        "collective-permute": 0,
+    }
+    shape, names, rules = LAYOUTS[layout]
+    m = mesh(shape, names, types)
+    state = sharded_initial_state(make_state, m, rules)
+    step = pztrain.build_train_step(loss_fn, mesh=m, microbatches=4)
+    x, y = batches(5, batch=64)
+    for i in range(5):
+        state, aux = step(state, x=x[i], y=y[i])
+    one, whole = make_state(), pztrain.build_train_step(loss_fn)
+    for i in range(5):
+        one, want = whole(one, x=x[i], y=y[i])
+    for name in one.params:
+        np.testing.assert_allclose(state.params[name], one.params[name], atol=1e-5)
+    np.testing.assert_allclose(aux["loss"], want["loss"], rtol=1e-5)
+
+
+def test_a_default_mesh_trains_the_readme_way():
+    m = jax.make_mesh((8,), ("data",))  # JAX's default: Explicit axes
+    assert m.axis_types == (AxisType.Explicit,)
+    state = sharded_initial_state(make_state, m, ShardingRules(fsdp="data"))
+    x, y = batches(4, 64)
+    loader = pztrain.ArrayLoader(
+        {"x": x.reshape(-1, 16), "y": y.reshape(-1, 4)},
+        batch_size=32,
+        sharding=pztrain.sharding.data_sharding(m),
+    )
+    step = pztrain.build_train_step(loss_fn, mesh=m)
+    eval_step = pztrain.build_eval_step(
+        lambda *, model, state, rng, x, y: {
+            "loss": loss_fn(model=model, state=state, rng=rng, x=x, y=y)[0]
+        }
+    )
+    state, history = pztrain.fit(
+        state, step, loader, num_steps=8, progress=False,
+        eval_step=eval_step, eval_data=loader,
+    )  # fmt: skip
+    assert int(state.step) == 8 and np.isfinite(history.last("eval")["metrics"]["loss"])
+    assert state.params["w1"].sharding.spec == P(None, "data")
+
+
+def _transformer(key=0):
+    from penzai.models.transformer.variants import llamalike_common
+
+    config = llamalike_common.LlamalikeTransformerConfig(
+        num_kv_heads=2,
+        query_head_multiplier=1,
+        embedding_dim=16,
+        projection_dim=8,
+        mlp_hidden_dim=32,
+        num_decoder_blocks=1,
+        vocab_size=32,
+        mlp_variant="swiglu",
+        tie_embedder_and_logits=False,
+    )
+    return llamalike_common.build_llamalike_transformer(
+        config, init_base_rng=jax.random.key(key), name="lm"
+    )
+
+
+def lm_loss(*, model, state, rng, tokens):
+    from penzai import pz
+
+    logits = model(pz.nx.wrap(tokens[:, :-1]).tag("batch", "seq"))
+    logits = logits.untag("batch", "seq", "vocabulary").unwrap()
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    return loss.mean(), state, {"loss": loss.mean()}
+
+
+@pytest.mark.parametrize("types", ["auto", "explicit"])
+def test_a_transformer_on_a_data_by_model_mesh_equals_one_device(types):
+    rules = ShardingRules(
+        axes={"heads": "model", "neurons": "model", "vocabulary": "model"},
+        fsdp="data",
+    )
+    m = mesh((4, 2), ("data", "model"), types)
+
+    def make():
+        return pztrain.TrainState.initial_state(
+            _transformer(), optax.adam(1e-2), jax.random.key(2)
+        )
+
+    state = sharded_initial_state(make, m, rules)
+    assert any("model" in str(x.sharding.spec) for x in state.params.values())
+    step = pztrain.build_train_step(lm_loss, mesh=m)
+    one, one_step = make(), pztrain.build_train_step(lm_loss)
+    tokens = np.random.default_rng(0).integers(0, 32, (5, 8, 9)).astype(np.int32)
+    for t in tokens:
+        state, _ = step(state, tokens=t)
+        one, _ = one_step(one, tokens=t)
+    for name in one.params:
+        np.testing.assert_allclose(state.params[name], one.params[name], atol=1e-5)
+
+
+def test_a_batch_that_does_not_divide_over_the_data_axes_is_named():
+    m = mesh((8,), ("data",), "explicit")
+    state = sharded_initial_state(make_state, m)
+    step = pztrain.build_train_step(loss_fn, mesh=m)
+    x, y = batches(1, batch=12)
+    with pytest.raises(pztrain.BatchError, match=r"batch\['x'\].*12.*8"):
+        step(state, x=x[0], y=y[0])
+
+
+def test_an_explicit_loss_that_fights_the_compute_layout_is_named():
+    m = mesh((8,), ("data",), "explicit")
+    state = sharded_initial_state(make_state, m, ShardingRules(fsdp="data"))
+
+    def constrained(*, model, state, rng, x, y):
+        h = jnp.tanh(x @ model["w1"] + model["b1"][None])  # split over "data"
+        h = jax.lax.with_sharding_constraint(h, P(None, "data"))  # not so
+        loss = jnp.mean((h @ model["w2"] - y) ** 2)
+        return loss, state, {"loss": loss}
+
+    step = pztrain.build_train_step(constrained, mesh=m, explicit_loss=True)
+    x, y = batches(1)
+    with pytest.raises(
+        ShardingError, match=r"explicit_loss=True.*compute layout.*jax.sharding.reshard"
+    ):
+        step(state, x=x[0], y=y[0])
+    auto = pztrain.build_train_step(constrained, mesh=m)  # auto mode: a hint
+    state, aux = auto(state, x=x[0], y=y[0])
+    assert np.isfinite(aux["loss"])
