@@ -11,7 +11,15 @@ import optax
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-from mesh_cases import LAYOUTS, batches, collectives, loss_fn, make_state, mesh
+from mesh_cases import (
+    LAYOUTS,
+    batches,
+    collectives,
+    loss_fn,
+    make_state,
+    mesh,
+    shardings_of,
+)
 
 import pztrain
 from pztrain.sharding import ShardingError, ShardingRules, sharded_initial_state
@@ -22,13 +30,38 @@ def _eight_devices():
     assert jax.device_count() == 8, "run with --xla_force_host_platform_device_count=8"
 
 
-def _collectives_of(layout, types, **build):
+def _compiled(layout, types, **build):
+    """The compiled HLO text of a step of ``layout`` on a mesh of ``types``."""
     shape, names, rules = LAYOUTS[layout]
     m = mesh(shape, names, types)
     state = sharded_initial_state(make_state, m, rules)
     step = pztrain.build_train_step(loss_fn, mesh=m, **build)
     x, y = batches(1, batch=64)
-    return collectives(step.lower(state, x=x[0], y=y[0]).compile().as_text())
+    return step.lower(state, x=x[0], y=y[0]).compile().as_text()
+
+
+def _collectives_of(layout, types, **build):
+    return collectives(_compiled(layout, types, **build))
+
+
+def _steps_equal_one_device(layout, types, microbatches, steps=5):
+    """``steps`` steps on a mesh with micro-batches equal one device's on the
+    whole batch (params within 1e-5), and keep the state's shardings."""
+    shape, names, rules = LAYOUTS[layout]
+    m = mesh(shape, names, types)
+    state = sharded_initial_state(make_state, m, rules)
+    before = shardings_of(state)
+    step = pztrain.build_train_step(loss_fn, mesh=m, microbatches=microbatches)
+    x, y = batches(steps, batch=64)
+    for i in range(steps):
+        state, aux = step(state, x=x[i], y=y[i])
+    one, whole = make_state(), pztrain.build_train_step(loss_fn)
+    for i in range(steps):
+        one, want = whole(one, x=x[i], y=y[i])
+    for name in one.params:
+        np.testing.assert_allclose(state.params[name], one.params[name], atol=1e-5)
+    np.testing.assert_allclose(aux["loss"], want["loss"], rtol=1e-5)
+    assert shardings_of(state) == before
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -39,27 +72,22 @@ def test_explicit_and_auto_meshes_compile_the_same_collectives(layout):
 @pytest.mark.parametrize("types", ["auto", "explicit"])
 @pytest.mark.parametrize("layout", ["dp", "fsdp"])
 def test_microbatches_reduce_the_grads_once_per_step(layout, types):
-    found = _collectives_of(layout, types, microbatches=4)
+    text = _compiled(layout, types, microbatches=4)
     gathers = {"dp": 0, "fsdp": 3}[layout]  # each FSDP param gathered once
-    assert found == {
+    assert collectives(text) == {
         "all-reduce": 1,  # grads, loss and metrics together, after the scan
         "all-gather": gathers,
         "reduce-scatter": 0,
         "collective-permute": 0,
     }
-    shape, names, rules = LAYOUTS[layout]
-    m = mesh(shape, names, types)
-    state = sharded_initial_state(make_state, m, rules)
-    step = pztrain.build_train_step(loss_fn, mesh=m, microbatches=4)
-    x, y = batches(5, batch=64)
-    for i in range(5):
-        state, aux = step(state, x=x[i], y=y[i])
-    one, whole = make_state(), pztrain.build_train_step(loss_fn)
-    for i in range(5):
-        one, want = whole(one, x=x[i], y=y[i])
-    for name in one.params:
-        np.testing.assert_allclose(state.params[name], one.params[name], atol=1e-5)
-    np.testing.assert_allclose(aux["loss"], want["loss"], rtol=1e-5)
+    _steps_equal_one_device(layout, types, microbatches=4)
+
+
+@pytest.mark.parametrize("types", ["auto", "explicit", "mixed"])
+def test_microbatches_on_a_data_by_model_mesh_equal_one_device(types):
+    """Tensor-parallel grads accumulate in their own layout (the scan's
+    carry keeps the ``model`` axis) on a 4 x 2 mesh."""
+    _steps_equal_one_device("2d", types, microbatches=4)
 
 
 def test_a_default_mesh_trains_the_readme_way():
@@ -114,8 +142,10 @@ def lm_loss(*, model, state, rng, tokens):
     return loss.mean(), state, {"loss": loss.mean()}
 
 
-@pytest.mark.parametrize("types", ["auto", "explicit"])
-def test_a_transformer_on_a_data_by_model_mesh_equals_one_device(types):
+@pytest.mark.parametrize(
+    ("types", "microbatches"), [("auto", 1), ("explicit", 1), ("explicit", 2)]
+)
+def test_a_transformer_on_a_data_by_model_mesh_equals_one_device(types, microbatches):
     rules = ShardingRules(
         axes={"heads": "model", "neurons": "model", "vocabulary": "model"},
         fsdp="data",
@@ -129,7 +159,7 @@ def test_a_transformer_on_a_data_by_model_mesh_equals_one_device(types):
 
     state = sharded_initial_state(make, m, rules)
     assert any("model" in str(x.sharding.spec) for x in state.params.values())
-    step = pztrain.build_train_step(lm_loss, mesh=m)
+    step = pztrain.build_train_step(lm_loss, mesh=m, microbatches=microbatches)
     one, one_step = make(), pztrain.build_train_step(lm_loss)
     tokens = np.random.default_rng(0).integers(0, 32, (5, 8, 9)).astype(np.int32)
     for t in tokens:

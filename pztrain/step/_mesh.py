@@ -185,7 +185,12 @@ class MeshLayout(Layout):
         return run
 
     def zeros(self, like: Any) -> Any:
-        zeros = super().zeros(like)
+        # In the grad's own layout: a tensor-parallel grad's zeros split over
+        # its model axes too, or the scan's carry would change type.
+        dtype = jnp.promote_types(like.dtype, jnp.float32)
+        sharding = getattr(like, "sharding", None)
+        spec = sharding.spec if isinstance(sharding, NamedSharding) else None
+        zeros = jnp.zeros(like.shape, dtype, out_sharding=spec)
         if self.manual:  # added to each device's own partial grads
             return jax.lax.pcast(zeros, self.data_axes, to="varying")
         return zeros
