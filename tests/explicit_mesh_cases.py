@@ -4,6 +4,8 @@ subprocess (the device count must be set before jax is imported)."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +46,47 @@ def _collectives_of(layout, types, **build):
     return collectives(_compiled(layout, types, **build))
 
 
+def computations(text):
+    """The lines of each computation of HLO text, by name (``"ENTRY"``)."""
+    found, name = {}, None
+    for line in text.splitlines():
+        head = re.match(r"(ENTRY )?%(\S+) ", line)
+        if head:
+            name = "ENTRY" if head.group(1) else head.group(2)
+            found[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            found[name].append(line)
+    return found
+
+
+def reductions_by_place(text):
+    """All-reduces and reduce-scatters in the ENTRY computation and in the
+    loops' bodies (with every computation they call), and the loops' count."""
+    comps = computations(text)
+    refs = {
+        n: set(re.findall(r"%([\w.\-]+)", "\n".join(ls))) for n, ls in comps.items()
+    }
+    bodies = {
+        b
+        for ls in comps.values()
+        for b in re.findall(r"body=%([\w.\-]+)", "\n".join(ls))
+    }
+    loop, todo = set(), list(bodies)
+    while todo:  # a body and what it calls, transitively
+        name = todo.pop()
+        if name in comps and name not in loop:
+            loop.add(name)
+            todo.extend(refs[name])
+
+    def count(names):
+        pattern = r"\s(?:all-reduce|reduce-scatter)(?:-start)?\("
+        return sum(len(re.findall(pattern, "\n".join(comps[n]))) for n in names)
+
+    return {"entry": count(["ENTRY"]), "loop": count(loop), "loops": len(bodies)}
+
+
 def _steps_equal_one_device(layout, types, microbatches, steps=5):
     """``steps`` steps on a mesh with micro-batches equal one device's on the
     whole batch (params within 1e-5), and keep the state's shardings."""
@@ -80,6 +123,9 @@ def test_microbatches_reduce_the_grads_once_per_step(layout, types):
         "reduce-scatter": 0,
         "collective-permute": 0,
     }
+    # Where: in the step's ENTRY computation, none in the micro-batch loop's
+    # body (a reduction there would run once per micro-batch).
+    assert reductions_by_place(text) == {"entry": 1, "loop": 0, "loops": 1}
     _steps_equal_one_device(layout, types, microbatches=4)
 
 
