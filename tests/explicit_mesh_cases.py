@@ -243,3 +243,37 @@ def test_an_explicit_loss_that_fights_the_compute_layout_is_named():
     auto = pztrain.build_train_step(constrained, mesh=m)  # auto mode: a hint
     state, aux = auto(state, x=x[0], y=y[0])
     assert np.isfinite(aux["loss"])
+
+
+def test_a_state_on_another_mesh_of_the_same_devices_is_refused_by_name():
+    """A 4 x 2 mesh, or the same 8 devices in reverse order: the step names
+    an array, its mesh and the fix, at the first call or at a later one."""
+    m = mesh((8,), ("data",), "explicit")
+    step = pztrain.build_train_step(loss_fn, mesh=m)
+    x, y = batches(2)
+    four_by_two = sharded_initial_state(
+        make_state, mesh((4, 2), ("data", "model"), "explicit"), LAYOUTS["2d"][2]
+    )
+    reversed_order = jax.sharding.Mesh(
+        np.array(jax.devices()[::-1]), ("data",), axis_types=(AxisType.Explicit,)
+    )
+    backwards = sharded_initial_state(
+        make_state, reversed_order, ShardingRules(fsdp="data")
+    )
+
+    def refused(shape, ids):
+        return (
+            re.escape(f"state.step is on a mesh {shape} over device ids [{ids}")
+            + ".*not on the step's mesh.*"
+            + re.escape("shard_state(state, train_step.mesh, rules)")
+        )
+
+    with pytest.raises(ShardingError, match=refused({"data": 4, "model": 2}, "0, 1")):
+        step(four_by_two, x=x[0], y=y[0])
+    with pytest.raises(ShardingError, match=refused({"data": 8}, "7, 6")):
+        step(backwards, x=x[0], y=y[0])
+    state, _ = step(sharded_initial_state(make_state, m), x=x[0], y=y[0])
+    with pytest.raises(ShardingError, match=refused({"data": 8}, "7, 6")):
+        step(backwards, x=x[1], y=y[1])  # after the program was compiled
+    state, _ = step(state, x=x[1], y=y[1])
+    assert int(state.step) == 2

@@ -3,13 +3,16 @@ up by identity on every call."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-from jax.sharding import PartitionSpec
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pztrain.partition import split_rest
+from pztrain.sharding import ShardingError
 from pztrain.state import TrainState
 from pztrain.step._fns import Carry, Inputs, Static, key_data
 from pztrain.step._mesh import MeshLayout, spec_of
@@ -124,7 +127,8 @@ class OnMesh:
       fn: The program's function, on positional arguments.
       layout: The step's `pztrain.step._mesh.MeshLayout`.
       options: For ``jax.jit`` (donation).
-      names: The arguments' names, for errors.
+      names: The arguments' names, for errors (``"state.params"``: an array
+        of it is named ``state.params['w1']``).
       keep: How many leading arguments keep their shardings as outputs.
     """
 
@@ -144,7 +148,11 @@ class OnMesh:
         jitted = self._jitted
         if jitted is None:
             jitted = self._jitted = self._compile(args)
-        return jitted(*args)
+        try:  # free unless it raises (Python 3.11's exception tables)
+            return jitted(*args)
+        except ValueError as err:  # JAX's, for a state moved since the first call?
+            self._refuse_misplaced(args, err)
+            raise
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         if self._jitted is None:
@@ -157,8 +165,7 @@ class OnMesh:
         return jax.eval_shape(self._layout.entered(self._fn, specs), *args)
 
     def _compile(self, args: tuple[Any, ...]) -> Any:
-        named = dict(zip(self._names, args, strict=True))
-        jax.tree_util.tree_map_with_path(self._check_placed, named)
+        self._check_all_placed(args)
         specs = tuple(map(_specs, args))
         options = dict(self._options)
         if self._keep:
@@ -175,21 +182,67 @@ class OnMesh:
             self._layout.mesh, jax.sharding.PartitionSpec()
         )
 
-    def _check_placed(self, path: Any, x: Any) -> None:
-        """Refuses an array committed to other devices than the mesh's."""
-        devices = set(self._layout.mesh.devices.flat)
-        if (
-            isinstance(x, jax.Array)
-            and x.committed
-            and x.sharding.device_set != devices
-        ):
-            where = jax.tree_util.keystr(tuple(path))
-            raise ValueError(
-                f"state{where} is on {sorted(map(str, x.devices()))}, not on the "
-                f"step's mesh of {len(devices)} devices. Put the state on the mesh "
-                "first: pztrain.shard_state(state, mesh, rules) or "
-                "pztrain.sharded_initial_state(make_state, mesh, rules)."
-            )
+    def _check_all_placed(self, args: tuple[Any, ...]) -> None:
+        """Refuses any argument's array that is not on the step's mesh (at the
+        first call, and after a call failed: never on the hot path)."""
+        for name, arg in zip(self._names, args, strict=True):
+            check = functools.partial(self._check_placed, name)
+            jax.tree_util.tree_map_with_path(check, arg)
+
+    def _refuse_misplaced(self, args: tuple[Any, ...], err: ValueError) -> None:
+        """After JAX refused a call: says so if an array is off the mesh."""
+        try:
+            self._check_all_placed(args)
+        except ShardingError as named:
+            raise named from err
+
+    def _check_placed(self, name: str, path: Any, x: Any) -> None:
+        """Refuses an array committed to other devices than the mesh's, or to
+        another mesh over them (another shape, axis names or device order).
+
+        Raises:
+          ShardingError: naming the array, its mesh and the fix.
+        """
+        if not (isinstance(x, jax.Array) and x.committed):
+            return
+        mesh, sharding = self._layout.mesh, x.sharding
+        if isinstance(sharding, NamedSharding):
+            if same_mesh(sharding.mesh, mesh):
+                return
+            there = f"a mesh {describe_mesh(sharding.mesh)}"
+        elif sharding.device_set == set(mesh.devices.flat):
+            return
+        else:
+            there = f"devices {sorted(d.id for d in sharding.device_set)}"
+        where = name + jax.tree_util.keystr(tuple(path))
+        raise ShardingError(
+            f"{where} is on {there}, not on the step's mesh "
+            f"{describe_mesh(mesh)}. Put the state on the "
+            "step's mesh first: pztrain.shard_state(state, train_step.mesh, "
+            "rules), or pztrain.sharded_initial_state(make_state, "
+            "train_step.mesh, rules)."
+        )
+
+
+def same_mesh(a: Any, b: Mesh) -> bool:
+    """Whether ``a`` is ``b`` for a step: the same devices in the same
+    arrangement under the same axis names (the axis types may differ: the
+    step's body makes every axis Explicit)."""
+    if a is b:
+        return True
+    return (
+        isinstance(a, Mesh)
+        and a.axis_names == b.axis_names
+        and a.devices.shape == b.devices.shape
+        and bool(np.all(a.device_ids == b.device_ids))
+    )
+
+
+def describe_mesh(mesh: Any) -> str:
+    """``{'data': 4, 'model': 2} over device ids [0, 1, …]``, for errors."""
+    ids = [int(i) for i in np.ravel(mesh.device_ids)]
+    shown = ", ".join(map(str, ids[:8])) + (", …" if len(ids) > 8 else "")
+    return f"{dict(mesh.shape)} over device ids [{shown}]"
 
 
 def _specs(arg: Any) -> Any:

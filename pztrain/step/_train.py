@@ -43,15 +43,16 @@ from pztrain.step._programs import (
 
 __all__ = ["FLAT_NAMES", "TrainStep"]
 
-# The arguments of a train step's program (`pztrain.step._fns.flat`).
+# The arguments of a train step's program (`pztrain.step._fns.flat`), as an
+# error names them.
 FLAT_NAMES = (
-    "step",
-    "params",
-    "opt_state",
-    "loss_fn_state",
+    "state.step",
+    "state.params",
+    "state.opt_state",
+    "state.loss_fn_state",
     "sums",
-    "root_rng",
-    "rest",
+    "state.root_rng",
+    "state.model_without_params",
     "batch",
 )
 
