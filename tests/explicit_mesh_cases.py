@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from mesh_cases import (
     LAYOUTS,
@@ -277,3 +277,34 @@ def test_a_state_on_another_mesh_of_the_same_devices_is_refused_by_name():
         step(backwards, x=x[1], y=y[1])  # after the program was compiled
     state, _ = step(state, x=x[1], y=y[1])
     assert int(state.step) == 2
+
+
+def test_a_batch_on_the_mesh_but_not_split_is_split():
+    """A batch already on the mesh's devices, replicated, is split along the
+    data axis as a host batch is (with micro-batches, per device)."""
+    from pztrain.step._call_batch import on_mesh
+
+    m = mesh((8,), ("data",), "explicit")
+    step = pztrain.build_train_step(loss_fn, mesh=m, microbatches=2)
+    x, y = batches(1, batch=32)
+    whole = NamedSharding(m, P())
+    batch = {"x": jax.device_put(x[0], whole), "y": jax.device_put(y[0], whole)}
+    placed = on_mesh(batch, step.batch_sharding)
+    assert placed["x"].sharding == step.batch_sharding
+    assert on_mesh(placed, step.batch_sharding) is placed  # nothing to do
+    state, aux = step(sharded_initial_state(make_state, m), batch)
+    want_state, want = step(sharded_initial_state(make_state, m), x=x[0], y=y[0])
+    np.testing.assert_allclose(aux["loss"], want["loss"], rtol=1e-6)
+    np.testing.assert_allclose(state.params["w1"], want_state.params["w1"], atol=1e-6)
+
+
+def test_microbatches_that_do_not_split_a_devices_share_name_the_global_shape():
+    m = mesh((8,), ("data",), "explicit")
+    step = pztrain.build_train_step(loss_fn, mesh=m, microbatches=4)
+    x, y = batches(1, batch=16)
+    with pytest.raises(
+        pztrain.BatchError,
+        match=r"batch\['x'\] has shape \[16, 16\]: 16 examples over 8 data shards "
+        r"= 2 per device, not a multiple of 4.*divisible by 32",
+    ):
+        step(sharded_initial_state(make_state, m), x=x[0], y=y[0])

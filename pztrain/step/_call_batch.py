@@ -7,22 +7,44 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pztrain.data._placement import put_batch
 
 __all__ = ["on_mesh", "one_batch", "two_batches"]
 
 
-def on_mesh(batch: Mapping[str, Any], sharding: Any) -> Any:
-    """A batch on the step's mesh: as it is if every leaf is there already (what
-    `pztrain.fit` passes), else put there (`put_batch`)."""
-    devices = sharding.device_set
+def on_mesh(batch: Mapping[str, Any], sharding: NamedSharding) -> Any:
+    """A batch on the step's mesh, split along its data axes: as it is if every
+    leaf has the step's batch ``sharding`` already (what `pztrain.fit` passes:
+    one comparison per leaf), else put there (`put_batch`, or resharded if the
+    leaves are global arrays across processes)."""
+    for x in jax.tree.leaves(batch):
+        if not (isinstance(x, jax.Array) and x.sharding == sharding):
+            return _placed(batch, sharding)
+    return batch
+
+
+def _placed(batch: Mapping[str, Any], sharding: NamedSharding) -> Any:
+    """``batch`` on ``sharding``: leaves with fewer axes than its spec (a
+    scalar) replicated, as `put_batch` places them."""
     leaves = jax.tree.leaves(batch)
-    if all(
-        isinstance(x, jax.Array) and x.sharding.device_set == devices for x in leaves
-    ):
-        return batch
-    return put_batch(batch, sharding)
+    arrays = all(isinstance(x, jax.Array) for x in leaves)
+    if arrays and all(_fits(x, sharding) for x in leaves):
+        return batch  # already so, in an equivalent spelling
+    if sharding.is_fully_addressable or not arrays:
+        return put_batch(batch, sharding)
+    return jax.device_put(batch, jax.tree.map(lambda x: _wanted(x, sharding), batch))
+
+
+def _wanted(x: jax.Array, sharding: NamedSharding) -> NamedSharding:
+    if x.ndim < len(sharding.spec):
+        return NamedSharding(sharding.mesh, PartitionSpec())
+    return sharding
+
+
+def _fits(x: jax.Array, sharding: NamedSharding) -> bool:
+    return x.sharding.is_equivalent_to(_wanted(x, sharding), x.ndim)
 
 
 def one_batch(batch: Any, arrays: dict[str, Any]) -> Any:

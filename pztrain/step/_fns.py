@@ -25,7 +25,7 @@ from pztrain.data._batch import check_batch
 from pztrain.metrics import MetricSums
 from pztrain.partition import RestSpec
 from pztrain.step._mesh import NO_MESH, Layout
-from pztrain.step._microbatches import accumulate, first_microbatch
+from pztrain.step._microbatches import accumulate, check_microbatches, first_microbatch
 from pztrain.step._norms import with_grad_norms
 
 __all__ = [
@@ -372,6 +372,7 @@ def _grads(loss_fn, spec: RestSpec, mode, carry: Carry, rest, rng, batch, m, lay
             one = functools.partial(_loss_and_grads, loss_fn, bind, params, layout)
             return accumulate(one, lfs, rest, rng, batch, m, layout.zeros)
 
+        check_microbatches(batch, m, layout.data_shards)  # the global shapes
         run = layout.per_device(micro)
         out = run(params, carry.loss_fn_state, rest, rng, batch)
     return (*out[:4], layout.store(out[4], carry.params))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,11 @@ def compute_spec(spec: PartitionSpec, data_axes: tuple[str, ...]) -> PartitionSp
 
 class Layout:
     """No mesh: params, grads and the user's function as they are."""
+
+    @property
+    def data_shards(self) -> int:
+        """The devices a batch's examples are split over."""
+        return 1
 
     def compute(self, params: Any) -> Any:
         """``params`` in their compute layout."""
@@ -104,6 +110,10 @@ class MeshLayout(Layout):
     data_axes: tuple[str, ...]
     explicit_loss: bool = False
     manual: bool = False
+
+    @property
+    def data_shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
     @property
     def abstract(self) -> Any:

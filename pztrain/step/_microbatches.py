@@ -20,7 +20,13 @@ import numpy as np
 from pztrain._tree import named_leaves
 from pztrain.data._batch import BatchError
 
-__all__ = ["accumulate", "combine_aux", "first_microbatch", "split_batch"]
+__all__ = [
+    "accumulate",
+    "check_microbatches",
+    "combine_aux",
+    "first_microbatch",
+    "split_batch",
+]
 
 # (loss_fn_state, rest, rng, batch) -> (loss, loss_fn_state, aux, new_rest, grads)
 GradFn = Callable[[Any, Any, jax.Array, dict[str, Any]], tuple[Any, ...]]
@@ -35,18 +41,47 @@ def split_batch(batch: dict[str, Any], m: int) -> tuple[dict[str, Any], Any]:
     Raises:
       BatchError: naming the first leaf whose example axis ``m`` does not divide.
     """
-    for name, leaf in named_leaves(batch):
-        shape = np.shape(leaf)
-        if shape and shape[0] % m:
-            raise BatchError(
-                f"microbatches={m} splits every batch leaf's example axis into "
-                f"{m} equal micro-batches, but batch[{name!r}] has shape "
-                f"{list(shape)} ({shape[0]} examples, not a multiple of {m}). "
-                f"Use a batch size divisible by {m} (e.g. drop_remainder=True)."
-            )
+    check_microbatches(batch, m)
     split = jax.tree.map(lambda x: _split(x, m) if np.shape(x) else None, batch)
     whole = jax.tree.map(lambda x: None if np.shape(x) else x, batch)
     return split, whole
+
+
+def check_microbatches(batch: dict[str, Any], m: int, shards: int = 1) -> None:
+    """Refuses a batch whose example axes do not split into ``m`` micro-batches
+    on each of ``shards`` devices (the data shards of a mesh).
+
+    Args:
+      batch: The batch, in its global shapes.
+      m: The micro-batches of a step.
+      shards: The devices each leaf's examples are split over first.
+
+    Raises:
+      BatchError: naming the first leaf that does not split, its global shape
+        and the batch sizes that would.
+    """
+    for name, leaf in named_leaves(batch):
+        shape = np.shape(leaf)
+        if shape and shape[0] % (m * shards):
+            raise BatchError(_not_split(name, shape, m, shards))
+
+
+def _not_split(name: str, shape: tuple[int, ...], m: int, shards: int) -> str:
+    n = shape[0]
+    if shards == 1:
+        return (
+            f"microbatches={m} splits every batch leaf's example axis into "
+            f"{m} equal micro-batches, but batch[{name!r}] has shape "
+            f"{list(shape)} ({n} examples, not a multiple of {m}). "
+            f"Use a batch size divisible by {m} (e.g. drop_remainder=True)."
+        )
+    return (
+        f"microbatches={m} splits each device's share of every batch leaf into "
+        f"{m} equal micro-batches, but batch[{name!r}] has shape {list(shape)}: "
+        f"{n} examples over {shards} data shards = {n / shards:g} per device, "
+        f"not a multiple of {m}. Use a batch size divisible by {m * shards} "
+        f"({shards} data shards x {m} micro-batches)."
+    )
 
 
 def _split(x: Any, m: int) -> jax.Array:
