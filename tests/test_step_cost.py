@@ -3,6 +3,7 @@ run refused when the step cannot fit."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import jax
@@ -97,6 +98,22 @@ def test_a_run_that_cannot_fit_is_refused_before_the_first_step(monkeypatch):
     assert int(state.step) == 0  # nothing ran: the state was not donated
     monkeypatch.setattr(_resources, "_capacity", lambda device: 2**40)
     state, _ = pztrain.fit(state, step, [batch()] * 2, num_steps=2, progress=False)
+    assert int(state.step) == 2
+
+
+def test_a_cpu_says_once_at_debug_level_that_memory_is_not_checked(monkeypatch, caplog):
+    monkeypatch.setattr(_resources, "_said_no_memory", False)
+    caplog.set_level(logging.DEBUG, logger="pztrain")
+    state, step = mlp_state(), pztrain.build_train_step(loss_fn)
+    for total in (1, 2):  # two runs: one line
+        state, _ = pztrain.fit(state, step, [batch()], num_steps=total, progress=False)
+    said = [r for r in caplog.records if "memory capacity" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.DEBUG]
+    assert re.fullmatch(
+        r"cpu reports no memory capacity: the step's [\d.]+ \w?i?B per device "
+        r"\(.*\) is not checked against it\.",
+        said[0].getMessage(),
+    )
     assert int(state.step) == 2
 
 
