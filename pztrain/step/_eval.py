@@ -20,7 +20,19 @@ __all__ = ["EvalFunction", "EvalStep", "build_eval_step"]
 
 
 class EvalFunction(Protocol):
-    """The eval-function contract: like `LossFunction`, returning metrics only."""
+    """The eval-function contract: like `LossFunction`, returning metrics only.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> def eval_fn(*, model, state, rng, x, y):  # an EvalFunction
+      ...     err = x * model["w"] - y
+      ...     return {"mse": jnp.mean(err**2), "max_err": jnp.max(jnp.abs(err))}
+      >>> state = TrainState.initial_state({"w": jnp.array(2.0)}, optax.sgd(0.1),
+      ...                                  jax.random.key(0))
+      >>> m = build_eval_step(eval_fn)(state, x=jnp.ones(2), y=jnp.array([1.0, 4.0]))
+      >>> {k: float(v) for k, v in m.items()}
+      {'max_err': 2.0, 'mse': 2.5}
+    """
 
     def __call__(self, *, model: Any, state: Any, rng: jax.Array, **batch: Any) -> Any:
         """Returns a pytree of metrics for ``model`` on one batch."""
@@ -40,6 +52,19 @@ class EvalStep:
       mode: The mode the model runs in (``"eval"``: a Flax NNX model's
         ``model.eval()``, running averages and no dropout).
       ema: Whether it evaluates the state's EMA params (`pztrain.with_ema`).
+
+    Example:
+      The same key for the same state, and the state left as it was:
+
+      >>> import jax.numpy as jnp, optax
+      >>> def eval_fn(*, model, state, rng, x):
+      ...     return {"mean": jnp.mean(x * model["w"]), "draw": jax.random.uniform(rng)}
+      >>> state = TrainState.initial_state({"w": jnp.array(2.0)}, optax.sgd(0.1),
+      ...                                  jax.random.key(0))
+      >>> eval_step = build_eval_step(eval_fn)
+      >>> a, b = eval_step(state, x=jnp.ones(3)), eval_step(state, x=jnp.ones(3))
+      >>> float(a["mean"]), bool(a["draw"] == b["draw"]), int(state.step)
+      (2.0, True, 0)
     """
 
     def __init__(

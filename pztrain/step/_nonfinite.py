@@ -43,6 +43,18 @@ class NonFinite:
       operation: That value's operation (``"exp"``, ``"dot_general"`` …).
       grads: The names of the non-finite grads, in the params' order.
       params: The names of the params not finite after the update.
+
+    Example:
+      >>> import optax, pztrain
+      >>> def loss_fn(*, model, state, rng):  # finite at 0, its gradient is not
+      ...     return jnp.sum(jnp.sqrt(model["w"])), state, {}
+      >>> state = pztrain.TrainState.initial_state(
+      ...     {"w": jnp.zeros(2)}, optax.sgd(0.1), jax.random.key(0))
+      >>> found = find_nonfinite(pztrain.build_train_step(loss_fn), state)
+      >>> found.loss_finite, found.grads, found.params
+      (True, ('w',), ('w',))
+      >>> print(found.line())
+      non-finite grads first in ['w'] at step 0; params non-finite in ['w']; loss finite
     """
 
     step: int
@@ -255,6 +267,24 @@ def explain_in_run(info: Any, state: Any, first: int) -> str:
     re-run is the first whose update was not finite, from the state before it.
     Without such a checkpoint the line names the params that are not finite
     now. Never raises: a failure to re-run is said in the line.
+
+    Example:
+      What `pztrain.NanPolicy` says when step 2's batch overflows ``exp``:
+
+      >>> import optax, pztrain
+      >>> def loss_fn(*, model, state, rng, x):
+      ...     return jnp.mean(jnp.exp(x * model["w"])), state, {}
+      >>> data = pztrain.ArrayLoader({"x": np.array([1, 1, 1e3, 1], np.float32)},
+      ...                            batch_size=1, shuffle=False)
+      >>> state = pztrain.TrainState.initial_state(
+      ...     {"w": jnp.ones(())}, optax.sgd(0.01), jax.random.key(0))
+      >>> info = pztrain.LoopInfo(  # as fit gives it to its callbacks
+      ...     start_step=0, end_step=4, steps_per_epoch=4, steps_per_call=1,
+      ...     log_every=1, evaluates=False, run_dir=None, train_data=data,
+      ...     train_step=pztrain.build_train_step(loss_fn))
+      >>> print(explain_in_run(info, state, 2))  # doctest: +NORMALIZE_WHITESPACE
+      non-finite loss at step 2: non-finite values first in ['w'] (exp) at step 2;
+      loss non-finite; grads non-finite in ['w']; params non-finite in ['w']
     """
     return f"non-finite loss at step {first}: {_explained(info, state, first)}"
 
@@ -315,6 +345,19 @@ def replay_to_first(train_step: Any, state: Any, data: Any, last: int) -> tuple:
     Returns:
       ``(state_before, step)``: the first step whose update left params that are
       not finite, or ``last``, and the state just before it.
+
+    Example:
+      >>> import optax, pztrain
+      >>> def loss_fn(*, model, state, rng, x):
+      ...     return jnp.mean(jnp.exp(x * model["w"])), state, {}
+      >>> data = pztrain.ArrayLoader({"x": np.array([1, 1, 1e3, 1], np.float32)},
+      ...                            batch_size=1, shuffle=False)
+      >>> state = pztrain.TrainState.initial_state(
+      ...     {"w": jnp.ones(())}, optax.sgd(0.01), jax.random.key(0))
+      >>> step = pztrain.build_train_step(loss_fn)
+      >>> before, at = replay_to_first(step, state, data, last=3)
+      >>> at, int(before.step), float(before.params["w"]) < 1.0
+      (2, 2, True)
     """
     one = train_step.single()
     for at in range(int(state.step), last):
