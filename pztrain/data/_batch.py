@@ -24,7 +24,16 @@ __all__ = ["BatchError", "check_batch", "loader_columns", "stack_batches"]
 
 
 class BatchError(ValueError):
-    """A batch is not a dict of arrays with one shared leading axis."""
+    """A batch is not a dict of arrays with one shared leading axis.
+
+    Example:
+      >>> import numpy as np
+      >>> try:
+      ...     check_batch({"x": np.zeros((4, 2)), "y": np.zeros(3)})
+      ... except BatchError as e:
+      ...     print(e)
+      Batch leaves must share their leading (batch) axis; got x: 4, y: 3.
+    """
 
 
 def check_batch(
@@ -149,7 +158,14 @@ def _batch_axis(
 
 
 def stack_batches(batches: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """Stacks batches along a new leading axis (for ``steps_per_call > 1``)."""
+    """Stacks batches along a new leading axis (for ``steps_per_call > 1``).
+
+    Example:
+      >>> import numpy as np
+      >>> batch = stack_batches([{"x": np.zeros((4, 2))}, {"x": np.ones((4, 2))}])
+      >>> batch["x"].shape, check_batch(batch, steps_per_call=2)
+      ((2, 4, 2), 4)
+    """
     return jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
 

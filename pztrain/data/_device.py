@@ -36,6 +36,18 @@ class IndexedBatches:
         fill it (only the first ``steps_per_epoch`` batches are read).
       batch_size: Examples per batch.
       steps_per_epoch: Batches in the epoch.
+
+    Example:
+      An epoch on the device, for ``train_step(state, batches)``:
+
+      >>> from pztrain.data import ArrayLoader
+      >>> loader = ArrayLoader({"x": np.arange(8)}, batch_size=4, shuffle=False,
+      ...                      on_device=True)
+      >>> batches = loader.device_epoch(0)
+      >>> batches.arrays["x"].shape, batches.steps_per_epoch
+      ((2, 4), 2)
+      >>> batches.take(jnp.int32(3))["x"]  # step 3 reads batch 3 % 2
+      Array([4, 5, 6, 7], dtype=int32)
     """
 
     arrays: dict[str, jax.Array]

@@ -29,6 +29,27 @@ class StepLoader(abc.ABC):
       sharding: The sharding of one batch, or ``None``.
       on_device: Whether `pztrain.fit` slices each step's batch from an epoch
         kept on the device (`pztrain.ArrayLoader` only).
+
+    Example:
+      A loader of synthetic batches, each made from its step's number:
+
+      >>> import numpy as np
+      >>> class Counting(StepLoader):
+      ...     steps_per_epoch = 3  # a class attribute stands for the property
+      ...     def batch_at(self, step):
+      ...         return {"x": np.full(2, step, np.float32)}
+      ...     def epoch(self, epoch=0):
+      ...         first = epoch * self.steps_per_epoch
+      ...         return (self.batch_at(first + i) for i in range(3))
+      ...     def iter_from_step(self, step, steps_per_call=1):
+      ...         while True:  # steps_per_call=1 only, for brevity
+      ...             yield self.batch_at(step)
+      ...             step += 1
+      >>> loader = Counting()
+      >>> len(loader), [float(b["x"][0]) for b in loader.epoch(1)]
+      (3, [3.0, 4.0, 5.0])
+      >>> next(loader.iter_from_step(7))["x"]  # resume anywhere, no iterator state
+      array([7., 7.], dtype=float32)
     """
 
     sharding: NamedSharding | None = None
