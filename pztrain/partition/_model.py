@@ -35,7 +35,18 @@ parameter name, or a predicate ``(name, value) -> bool``."""
 
 
 class PartitionError(ValueError):
-    """A model cannot be split into named parameters as asked."""
+    """A model cannot be split into named parameters as asked.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from pztrain.partition import split
+      >>> params, rest = split({"w": jnp.ones(2)})
+      >>> try:
+      ...     merge({}, rest)
+      ... except PartitionError as e:
+      ...     print(e)  # doctest: +ELLIPSIS
+      Parameter 'w' is missing from params (it has 0 entries). ...
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +58,13 @@ class ParamSlot:
 
     Attributes:
       name: The parameter name; the key of the array in ``TrainState.params``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from pztrain.partition import split
+      >>> params, rest = split({"w": jnp.ones(2), "n": jnp.arange(3)})
+      >>> rest["w"], jax.tree.leaves(rest)  # a slot has no leaves
+      (ParamSlot(name='w'), [Array([0, 1, 2], dtype=int32)])
     """
 
     name: str
@@ -121,6 +139,19 @@ class NnxModel:
         annotation (``nnx.with_partitioning``, ``out_sharding`` metadata).
       values: One per leaf of the state: a `ParamSlot` for each trained param,
         the array (or other leaf) otherwise.
+
+    Example:
+      >>> from flax import nnx
+      >>> from pztrain.partition import split
+      >>> rngs = nnx.Rngs(0)
+      >>> params, rest = split(nnx.Sequential(nnx.Linear(2, 3, rngs=rngs),
+      ...                                     nnx.BatchNorm(3, rngs=rngs)))
+      >>> type(rest).__name__, rest.stateful
+      ('NnxModel', True)
+      >>> sorted(params)
+      ['layers/0/bias', 'layers/0/kernel', 'layers/1/bias', 'layers/1/scale']
+      >>> [(n, t) for n, t in zip(rest.names, rest.types) if t != "Param"]
+      [('layers/1/mean', 'BatchStat'), ('layers/1/var', 'BatchStat')]
     """
 
     graphdef: Any
@@ -209,6 +240,15 @@ def annotated_specs(rest: Any) -> dict[str, Any]:
     annotation (``nnx.with_partitioning``, ``kernel_metadata``), resolved by
     flax's logical axis rules if any were set when the state was built. Empty
     for other families.
+
+    Example:
+      >>> from flax import nnx
+      >>> from pztrain.partition import split
+      >>> init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+      >>> with jax.set_mesh(jax.make_mesh((1,), ("model",))):
+      ...     linear = nnx.Linear(2, 4, kernel_init=init, rngs=nnx.Rngs(0))
+      >>> annotated_specs(split(linear)[1])
+      {'kernel': P(None, 'model')}
     """
     return dict(rest.shardings) if isinstance(rest, NnxModel) else {}
 
@@ -221,6 +261,14 @@ def model_state(rest: Any) -> dict[str, Any]:
     variable types), which params checkpoints keep beside the params. Empty for
     other families (penzai v2 state variables are kept by full-state
     checkpoints).
+
+    Example:
+      >>> from flax import nnx
+      >>> from pztrain.partition import split
+      >>> _, rest = split(nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
+      >>> model_state(rest)  # doctest: +NORMALIZE_WHITESPACE
+      {'mean': Array([0., 0., 0.], dtype=float32),
+       'var': Array([1., 1., 1.], dtype=float32)}
     """
     if not isinstance(rest, NnxModel):
         return {}
@@ -232,7 +280,16 @@ def model_state(rest: Any) -> dict[str, Any]:
 
 
 def with_model_state(rest: Any, values: Mapping[str, Any]) -> Any:
-    """``rest`` with the `model_state` arrays named in ``values`` replaced."""
+    """``rest`` with the `model_state` arrays named in ``values`` replaced.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from pztrain.partition import split
+      >>> _, rest = split(nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
+      >>> model_state(with_model_state(rest, {"mean": jnp.ones(3)}))["mean"]
+      Array([1., 1., 1.], dtype=float32)
+    """
     if not values:
         return rest
     new = tuple(values.get(n, v) for n, v in zip(rest.names, rest.values, strict=True))
@@ -263,6 +320,13 @@ def merge(params: Mapping[str, Any] | Any, rest: Any) -> Any:
 
     Raises:
       PartitionError: if a slot's name is missing from ``params``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from pztrain.partition import split
+      >>> params, rest = split({"w": jnp.ones(2), "n": jnp.arange(3)})
+      >>> merge({"w": jnp.zeros(2)}, rest)
+      {'n': Array([0, 1, 2], dtype=int32), 'w': Array([0., 0.], dtype=float32)}
     """
     if isinstance(rest, ApplyFnModel):
         return dataclasses.replace(rest, params=params)
@@ -309,6 +373,16 @@ def to_user_model(model: Any) -> Any:
     Each label becomes one new variable object, so shared parameters stay shared.
     A Flax NNX model (`NnxModel`) becomes its ``nnx.Module``. Models of other
     families are returned unchanged.
+
+    Example:
+      >>> from penzai import pz
+      >>> from pztrain.partition import split
+      >>> linear = pz.nn.Linear.from_config(name="lin", init_base_rng=jax.random.key(0),
+      ...                                   input_axes={"i": 2}, output_axes={"o": 3})
+      >>> params, rest = split(linear)
+      >>> model = merge(params, rest)  # as a loss function gets it
+      >>> type(model.weights).__name__, type(to_user_model(model).weights).__name__
+      ('ParameterValue', 'Parameter')
     """
     if isinstance(model, NnxModel):
         return model.module()

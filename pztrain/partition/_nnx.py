@@ -82,7 +82,16 @@ def check_no_loose_variables(model: Any) -> None:
 
 def nnx_variables(model: Any) -> tuple[list[Any], list[Any]]:
     """``(params, others)``: the ``nnx.Param`` variables of an NNX module and
-    its other variables (``([], [])`` for other models), each once."""
+    its other variables (``([], [])`` for other models), each once.
+
+    Example:
+      >>> from flax import nnx
+      >>> params, others = nnx_variables(nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
+      >>> [type(v).__name__ for v in params], [type(v).__name__ for v in others]
+      (['Param', 'Param'], ['BatchStat', 'BatchStat'])
+      >>> nnx_variables({"w": jax.numpy.ones(2)})
+      ([], [])
+    """
     if not is_nnx_module(model):
         return [], []
     nnx = flax_nnx()

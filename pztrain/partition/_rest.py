@@ -36,6 +36,15 @@ class RestSpec:
       stateful: Whether the rest holds state a loss function may change:
         penzai v2 state variables, or a Flax NNX model's variables that are not
         params (batch statistics, rng state …).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from pztrain.partition import split
+      >>> params, rest = split({"w": jnp.ones(2), "n": jnp.arange(3)})
+      >>> spec, arrays = split_rest(rest)
+      >>> model, new_arrays = spec.bind(params, arrays)  # what a loss function gets
+      >>> model["w"], new_arrays(), spec == split_rest(rest)[0]  # one compile
+      (Array([1., 1.], dtype=float32), None, True)
     """
 
     treedef: Any
