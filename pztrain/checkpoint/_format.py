@@ -1,26 +1,17 @@
 """The checkpoint format: params alone or the whole state, as arrays + JSON.
 
-A checkpoint directory holds orbax items, written atomically (a temporary
-directory renamed on success):
-
-* ``params``: the trainable arrays, keyed ``"0"``, ``"1"``, … in name order,
-  with the model's own state after them (a Flax NNX model's batch statistics
-  and rng state, by name: `pztrain.partition.model_state`);
-* ``state`` (full-state checkpoints only): every other array of the
-  `TrainState` (optimizer and loss-function state, step, key, arrays left in
-  ``model_without_params``, extra subclass fields);
-* ``meta``: JSON: format version, pztrain version, parameter names, shapes,
-  dtypes and checksums, the key paths, shapes, dtypes and checksums of the state
-  arrays, the state's numbers, and free-form metadata (hyperparameters,
-  metrics, callback counters).
+A checkpoint directory holds orbax items, written atomically (a temporary directory
+renamed on success): ``params``, the trainable arrays keyed ``"0"``, ``"1"``, … in name
+order, then the model's own state by name (an NNX model's batch statistics and rng
+state: `pztrain.partition.model_state`); ``state`` (full-state checkpoints only), every
+other array of the `TrainState` (optimizer and loss-function state, step, key, arrays
+left in ``model_without_params``, subclass fields); ``meta``, JSON: the format and
+pztrain versions, each array's name or key path, shape, dtype and checksum, the state's
+numbers, and free-form metadata (hyperparameters, metrics, callback counters).
 
 Nothing is pickled, and loading runs no code: the structure always comes from the
-``like`` argument built in code. Names, shapes and dtypes are checked against the
-JSON (a difference is a `CheckpointMismatchError`), and the JSON against the array
-files, before any array is read; what was read is checked against its checksum
-(any failure there is a `CheckpointError`: the checkpoint cannot be trusted).
-Periodic checkpoints during `pztrain.fit` (and resuming from them) are
-`pztrain.Checkpoints`.
+``like`` argument built in code, checked against the JSON and the files before any array
+is read (`load_params` says how), each array then against its checksum.
 """
 
 from __future__ import annotations
@@ -109,10 +100,10 @@ def save_params(
 
     Example:
       >>> import tempfile, jax.numpy as jnp
-      >>> d = tempfile.mkdtemp() + "/ckpt"
-      >>> _ = save_params(d, {"w": jnp.ones(2)})
-      >>> load_params(d, {"w": jnp.zeros(2)})["w"]
-      Array([1., 1.], dtype=float32)
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     path = save_params(d + "/ckpt", {"w": jnp.ones(2)})
+      ...     print(load_params(path, {"w": jnp.zeros(2)})["w"])
+      [1. 1.]
     """
     params = params_of(_weights(state_or_params, ema, "save_params"))
     check_alive(params, "save_params", "the params to save")
@@ -130,6 +121,15 @@ def save_state(
 
     Restore it with `load_state` into a state built from code. For periodic,
     asynchronous saves during `pztrain.fit`, use `pztrain.Checkpoints`.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, optax
+      >>> like = TrainState.initial_state({"w": jnp.ones(2)}, optax.adam(0.1),
+      ...                                 jax.random.key(0))
+      >>> with tempfile.TemporaryDirectory() as d:  # after one update: step 1
+      ...     path = save_state(d + "/ckpt", like.apply_gradients({"w": jnp.ones(2)}))
+      ...     print(int(load_state(path, like).step))
+      1
     """
     check_alive(state, "save_state", "the arrays of this TrainState")
     args = save_args(params_of(state), state, state_metadata(state, metadata))
@@ -139,16 +139,9 @@ def save_state(
 def save_args(
     params: Any, state: TrainState | None, metadata: dict[str, Any] | None
 ) -> Any:
-    """The orbax save arguments of a checkpoint: params, state arrays, JSON.
-
-    Args:
-      params: The params pytree (`params_of` a state).
-      state: The whole state for a full-state checkpoint, else ``None``.
-      metadata: Free-form JSON-able metadata.
-
-    Returns:
-      ``orbax.checkpoint.args.Composite`` for a checkpointer or manager whose
-      item handlers are pztrain's.
+    """The orbax save arguments (``ocp.args.Composite``, for pztrain's item
+    handlers) of a checkpoint of ``params`` (`params_of` a state), the arrays of
+    ``state`` (a full-state checkpoint; else ``None``) and free-form ``metadata``.
 
     Raises:
       CheckpointError: naming a leaf a checkpoint cannot hold (a Python number
@@ -234,6 +227,14 @@ def load_params(
         checkpoint, or array files that are missing, truncated, outside it,
         described otherwise than its JSON, or whose bytes fail their checksum
         (naming the parameter and the file).
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp
+      >>> with tempfile.TemporaryDirectory() as d:  # a new head: partial
+      ...     path = save_params(d + "/c", {"body": jnp.ones(2), "head": jnp.ones(3)})
+      ...     like = {"body": jnp.zeros(2), "new_head": jnp.zeros(1)}
+      ...     print(jax.tree.map(np.asarray, load_params(path, like, partial=True)))
+      {'body': array([1., 1.], dtype=float32), 'new_head': array([0.], dtype=float32)}
     """
     path = checkpoint_dir(directory)
     meta = read_metadata(path)
@@ -262,12 +263,20 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
     on any mesh. Files are checked as in `load_params`.
 
     Raises:
-      CheckpointMismatchError: the checkpoint is readable but was saved from
-        another structure: it holds params only, or its names, paths, shapes,
-        dtypes or stored numbers differ from ``like`` (each named). Resuming
-        refuses it.
+      CheckpointMismatchError: the checkpoint is readable but was saved from another
+        structure: it holds params only, or its names, paths, shapes, dtypes or stored
+        numbers differ from ``like`` (each named). Resuming refuses it.
       CheckpointError: the checkpoint cannot be trusted (see `load_params`).
         Resuming skips it.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, optax
+      >>> state = TrainState.initial_state({"w": jnp.ones(2)}, optax.adam(0.1),
+      ...                                  jax.random.key(0))
+      >>> with tempfile.TemporaryDirectory() as d:  # into shapes: nothing made first
+      ...     path = save_state(d + "/ckpt", state)
+      ...     print(load_state(path, jax.eval_shape(lambda: state)).params["w"])
+      [1. 1.]
     """
     path = checkpoint_dir(directory)
     meta = read_metadata(path)
@@ -311,8 +320,7 @@ def _filled_state(like: TrainState, arrays: list[Any], scalars: dict) -> TrainSt
 
 
 def _stored_params(meta: dict[str, Any], targets: dict[str, Any]) -> list[StoredArray]:
-    """The stored params bound for the target's, by name (those it lacks are
-    not read)."""
+    """The stored params the target has, by name (the others are not read)."""
     p = meta["params"]
     sums = p.get(CHECKSUM) or [None] * len(p["names"])
     return [
@@ -368,11 +376,17 @@ def export_safetensors(
 ) -> Path:
     """Writes the params to one ``.safetensors`` file, keyed by parameter name.
 
-    For use outside JAX (PyTorch, NumPy, Rust …). Needs ``pztrain[safetensors]``.
-    With several processes every process calls it: arrays split across them
-    are gathered (each process needs the host memory for the whole params)
-    and process 0 writes the file. ``ema=True``: a state's EMA params
-    (`pztrain.with_ema`) instead of its params.
+    For use outside JAX (PyTorch, NumPy, Rust …). Needs ``pztrain[safetensors]``. With
+    several processes every process calls it: arrays split across them are gathered
+    (each process needs the host memory for the whole params) and process 0 writes the
+    file. ``ema=True``: a state's EMA params (`pztrain.with_ema`) instead of its params.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, safetensors.numpy
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     path = export_safetensors(d + "/w.safetensors", {"w": jnp.ones(2)})
+      ...     print(safetensors.numpy.load_file(path))
+      {'w': array([1., 1.], dtype=float32)}
     """
     save_file = _safetensors().save_file
     named = named_leaves(params_of(_weights(state_or_params, ema, "export")))
@@ -396,7 +410,15 @@ def _whole_on_host(x: Any) -> np.ndarray:
 def import_safetensors(
     path: str | os.PathLike, like: Any, *, partial: bool = False
 ) -> Any:
-    """Reads params from a ``.safetensors`` file into ``like`` (see `load_params`)."""
+    """Reads params from a ``.safetensors`` file into ``like`` (see `load_params`).
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     path = export_safetensors(d + "/w.safetensors", {"w": jnp.ones(2)})
+      ...     print(import_safetensors(path, {"w": jnp.zeros(2)})["w"])
+      [1. 1.]
+    """
     tensors = _safetensors().load_file(str(path))
     params, rebuild = params_target(like)
     stored = {n: (tuple(t.shape), str(t.dtype)) for n, t in tensors.items()}
