@@ -36,7 +36,17 @@ LOCK_NAME = ".pztrain.lock"
 
 
 class DirectoryInUseError(RuntimeError):
-    """Another run holds the lock of a checkpoint or run directory."""
+    """Another run holds the lock of a checkpoint or run directory.
+
+    Example:
+      >>> import tempfile
+      >>> with tempfile.TemporaryDirectory() as d, DirectoryLock(d):  # a run's
+      ...     try:
+      ...         DirectoryLock(d).acquire()  # a second run, in the same directory
+      ...     except DirectoryInUseError as e:
+      ...         print(e)  # doctest: +ELLIPSIS
+      /... is in use by another run: this process (...) on host ...
+    """
 
 
 class DirectoryLock:

@@ -48,7 +48,20 @@ CHECKSUM = "xxh3_64"  # the JSON key of an item's checksums (see _integrity)
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupt, or does not fit the target."""
+    """A checkpoint is missing, incomplete, corrupt, or does not fit the target.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp
+      >>> from pztrain.checkpoint import load_params, save_params
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     path = save_params(d + "/ckpt", {"w": jnp.ones(2)})
+      ...     _ = (path / "meta" / "metadata").write_text("{")  # damaged
+      ...     try:
+      ...         load_params(path, {"w": jnp.zeros(2)})
+      ...     except CheckpointError as e:
+      ...         print(e)  # doctest: +ELLIPSIS
+      Checkpoint ... is incomplete or corrupt: cannot read .../meta/metadata (...).
+    """
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -56,6 +69,17 @@ class CheckpointMismatchError(CheckpointError):
 
     Another model or optimizer, not corruption: resuming refuses it (and touches
     nothing) instead of skipping it.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp
+      >>> from pztrain.checkpoint import load_params, save_params
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     path = save_params(d + "/ckpt", {"w": jnp.ones(2)})
+      ...     try:
+      ...         load_params(path, {"w": jnp.zeros(3)})  # another model
+      ...     except CheckpointMismatchError as e:
+      ...         print(e)  # doctest: +ELLIPSIS
+      Parameter 'w' in ... is float32[2], but the target expects float32[3]. ...
     """
 
 
@@ -66,6 +90,15 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
       CheckpointError: if ``directory`` is not a complete pztrain checkpoint.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp
+      >>> from pztrain.checkpoint import save_params
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     path = save_params(d + "/ckpt", {"w": jnp.ones(2)}, metadata={"lr": 0.1})
+      ...     meta = read_metadata(path)
+      >>> meta["metadata"], meta["params"]["names"], meta["params"]["shapes"]
+      ({'lr': 0.1}, ['w'], [[2]])
     """
     path = checkpoint_dir(directory)
     meta_file = path / "meta" / "metadata"
