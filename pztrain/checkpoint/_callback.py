@@ -1,10 +1,9 @@
 """`Checkpoints`: periodic full-state checkpoints during `pztrain.fit`, and resume.
 
-The callback wires three pieces, each testable alone: `SavePoints` (which host
-points to save at), `Retention` (which checkpoints to keep) and `Writer` (orbax's
-background saves). The format on disk is `pztrain.checkpoint._format`'s; the
-directory's rules (writable, tidy, one readable checkpoint) are
-`pztrain.checkpoint._directory`'s.
+The callback wires three pieces, each testable alone: `SavePoints` (which host points to
+save at), `Retention` (which checkpoints to keep) and `Writer` (orbax's background
+saves). The format on disk is `pztrain.checkpoint._format`'s; the directory's rules
+(writable, tidy, one readable checkpoint) are `pztrain.checkpoint._directory`'s.
 """
 
 from __future__ import annotations
@@ -34,19 +33,17 @@ __all__ = ["Checkpoints"]
 class Checkpoints(Callback):
     """Periodic full-state checkpoints during `pztrain.fit`, and resume.
 
-    Keeps the last ``keep_last`` checkpoints and the best ``keep_best`` by
-    ``monitor``; the newest checkpoint is always kept, so best-k never deletes
-    what resume needs. With each checkpoint it stores the ``state_dict()`` of the
-    run's other callbacks (e.g. `pztrain.EarlyStopping`'s counters).
+    Keeps the last ``keep_last`` checkpoints and the best ``keep_best`` by ``monitor``;
+    the newest checkpoint is always kept, so best-k never deletes what resume needs.
+    With each checkpoint it stores the ``state_dict()`` of the run's other callbacks
+    (e.g. `pztrain.EarlyStopping`'s counters).
 
-    Pass it to ``fit(..., checkpoints=Checkpoints(dir), resume=True)`` to continue
-    a run from its newest complete checkpoint. Inside `fit`, or inside a ``with
-    Checkpoints(...) as ckpts:`` block, saves are asynchronous (``async_save``)
-    and finished when the run or the block ends, on exceptions and
-    KeyboardInterrupt included; outside them, `save` returns once the
-    checkpoint is on disk, so a program that ends right after it loses nothing.
-
-    Its guarantees are listed in the checkpoints guide (docs/guides/checkpoints.md).
+    ``fit(..., checkpoints=Checkpoints(dir), resume=True)`` continues a run from its
+    newest complete checkpoint. Inside `fit`, or inside a ``with Checkpoints(...) as
+    ckpts:`` block, saves are asynchronous (``async_save``) and finished when the run or
+    the block ends, on exceptions and KeyboardInterrupt included; outside them, `save`
+    returns once the checkpoint is on disk, so a program that ends right after it loses
+    nothing. Its guarantees: the checkpoints guide (docs/guides/checkpoints.md).
 
     Args:
       directory: The root directory; each checkpoint is ``<directory>/<step>``.
@@ -62,6 +59,17 @@ class Checkpoints(Callback):
       overwrite: Let a run that does not resume delete the checkpoints the
         directory holds (with a warning naming them), and let `save` replace a
         step that exists.
+
+    Example:
+      >>> import tempfile, jax, jax.numpy as jnp, optax
+      >>> state = TrainState.initial_state({"w": jnp.ones(2)}, optax.sgd(0.1),
+      ...                                  jax.random.key(0))
+      >>> with tempfile.TemporaryDirectory() as d, Checkpoints(d, keep_last=2) as ckpts:
+      ...     for step in (10, 20, 30):  # in the background, as inside fit
+      ...         ckpts.save(state.replace(step=jnp.int32(step)), step)
+      ...     ckpts.wait()  # on disk; the oldest deleted
+      ...     print(ckpts.steps(), int(ckpts.restore_latest(state).step))
+      [20, 30] 30
     """
 
     def __init__(
@@ -238,8 +246,7 @@ class Checkpoints(Callback):
         return found
 
     def wait(self) -> None:
-        """Blocks until pending saves are on disk, then deletes what
-        ``keep_last`` / ``keep_best`` no longer keep.
+        """Waits for pending saves, then deletes what the retention policy drops.
 
         Raises:
           CheckpointError: if a background save failed (naming its step).
@@ -277,9 +284,8 @@ class Checkpoints(Callback):
         ``continues_run``: ``resume`` into a directory a run used (its log goes on).
 
         Raises:
-          CheckpointError: if the directory cannot be written or holds another
-            run's checkpoints; `pztrain.CheckpointMismatchError` (see
-            `restore_latest`).
+          CheckpointError: if the directory cannot be written or holds another run's
+            checkpoints; `pztrain.CheckpointMismatchError` (see `restore_latest`).
           DirectoryInUseError: if another run holds the directory's lock.
         """
         self.writer.failed = None
@@ -439,7 +445,6 @@ class Checkpoints(Callback):
 
 
 def _state_key(index: int, callback: Callback) -> str:
-    """Where a callback's ``state_dict`` goes in a checkpoint: its own
-    ``state_key`` if it has one (e.g. the train data's iterator state), else
-    its place and class (``"0:EarlyStopping"``)."""
+    """Where a callback's ``state_dict`` goes in a checkpoint: its ``state_key`` if
+    it has one (the data's iterator state), else place:class (``"0:EarlyStopping"``)."""
     return getattr(callback, "state_key", None) or f"{index}:{type(callback).__name__}"
