@@ -1,11 +1,8 @@
 """Callbacks for `pztrain.fit`: a few optional hooks, and the built-ins.
 
-A callback subclasses `Callback` and overrides the hooks it needs. A hook may
-return ``None`` (nothing changes), a new `TrainState` (the loop continues with
-it), or `pztrain.Stop` (the loop ends after this point, optionally with a new
-state). Hooks run only at host points (log, eval and epoch points, and the steps
-`Callback.on_advance` asks for), where the loop is already on the host: a
-callback adds no device sync of its own unless it asks for one.
+A callback subclasses `Callback` and overrides the hooks it needs. Hooks run only at
+host points (log, eval and epoch points, and the steps `Callback.on_advance` asks for),
+where the loop is already on the host: a callback adds no device sync of its own.
 """
 
 from __future__ import annotations
@@ -61,18 +58,22 @@ def record_only(on_log: Callable[..., Any]) -> Callable[..., Any]:
 class Callback:
     """Base class: every hook is optional and does nothing by default.
 
-    A record is a dict with ``step``, ``epoch``, ``split`` (``"train"`` or
-    ``"eval"``), ``time`` (seconds since the start) and ``metrics`` (name →
-    float). ``on_log`` may add entries to ``record["metrics"]`` before the
-    loggers see it.
+    A record is a dict with ``step``, ``epoch``, ``split`` (``"train"`` or ``"eval"``),
+    ``time`` (seconds since the start) and ``metrics`` (name → float). ``on_log`` may
+    add entries to ``record["metrics"]`` before the loggers see it.
 
     The hooks that take a state return ``None`` (nothing changes), a new
-    `pztrain.TrainState` (the loop continues with it) or `pztrain.Stop`. `fit`
-    runs its hooks as one ordered list: the progress bar, the callbacks in the
-    order given, the loggers, then the checkpoints.
+    `pztrain.TrainState` (the loop continues with it) or `pztrain.Stop`. `fit` runs its
+    hooks as one ordered list: the progress bar, the callbacks in the order given, the
+    loggers, then the checkpoints. An ``on_log`` that only reads the record can say so
+    with `record_only`, which lets log points overlap with training.
 
-    An ``on_log`` that only reads the record can say so with `record_only`,
-    which lets log points overlap with training.
+    Example:
+      >>> class StopAtLoss(Callback):  # fit(..., callbacks=[StopAtLoss()])
+      ...     def on_log(self, state, record):
+      ...         return Stop("low") if record["metrics"]["loss"] < 0.1 else None
+      >>> StopAtLoss().on_log(None, {"step": 5, "metrics": {"loss": 0.05}})
+      Stop(reason='low', state=None)
     """
 
     def on_train_start(self, state: TrainState, info: LoopInfo) -> Any:
@@ -117,11 +118,9 @@ class Callback:
         """
 
     def state_dict(self) -> dict[str, Any] | None:
-        """JSON-able counters to keep in checkpoints, or ``None`` (the default).
-
-        `pztrain.Checkpoints` stores them with each checkpoint and gives them back
-        to `load_state_dict` when a run resumes.
-        """
+        """JSON-able counters to keep in checkpoints, or ``None`` (the default):
+        `pztrain.Checkpoints` stores them and gives them back to `load_state_dict`
+        when a run resumes."""
         return None
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -138,11 +137,8 @@ def _split_monitor(monitor: str) -> tuple[str, str]:
 
 
 def _metric(record: dict[str, Any], monitor: str) -> float | None:
-    """Reads ``monitor`` (``"loss"`` or ``"eval/loss"``) from a record of its split.
-
-    Raises:
-      KeyError: if the record is of the monitored split but lacks the metric.
-    """
+    """Reads ``monitor`` (``"loss"`` or ``"eval/loss"``) from a record of its split
+    (a KeyError if the record is of the monitored split but lacks the metric)."""
     split, name = _split_monitor(monitor)
     if record["split"] != split:
         return None
@@ -163,13 +159,12 @@ class EarlyStopping(Callback):
       mode: ``"min"`` or ``"max"``.
       patience: Checks without improvement before stopping.
       min_delta: The least change that counts as an improvement.
-      restore_best: Finish with the params of the best check (kept as a copy on
-        device, so donation cannot delete them). Only the params go back:
-        ``state.step``, the optimizer state and the history's last records
-        stay those of the stopping point (``step`` counts the updates made,
-        and the data position, the keys and the schedules follow it), so
-        ``state.step`` is not `best_step`; the best check's record is the one
-        of `best_step` in the history.
+      restore_best: Finish with the params of the best check (kept as a copy on device,
+        so donation cannot delete them). Only the params go back: ``state.step``, the
+        optimizer state and the history's last records stay those of the stopping point
+        (``step`` counts the updates made: the data position, keys and schedules follow
+        it), so ``state.step`` is not `best_step`; the best check's record is the one of
+        `best_step` in the history.
 
     Attributes:
       best: The best value seen.
@@ -266,13 +261,18 @@ class LearningRateMonitor(Callback):
     """Adds the learning rate to each train log record.
 
     ``fit`` already logs a learning rate injected with ``optax.inject_hyperparams``.
-    This callback covers a plain schedule: it evaluates the schedule on the host at
-    log points (no device work) and logs it as ``learning_rate``. Like the injected
-    value, it is the rate the last update used: ``schedule(step - 1)`` after
-    ``step`` updates.
+    This callback covers a plain schedule: it evaluates the schedule on the host at log
+    points (no device work) and logs it as ``learning_rate``. Like the injected value,
+    it is the rate the last update used: ``schedule(step - 1)`` after ``step`` updates.
 
     Args:
       schedule: An optax schedule (``step -> lr``) or a constant.
+
+    Example:
+      >>> record = {"step": 3, "metrics": {}}  # a log point after 3 updates
+      >>> LearningRateMonitor(optax.linear_schedule(1.0, 0.0, 8)).on_log(None, record)
+      >>> record["metrics"]
+      {'learning_rate': 0.75}
     """
 
     def __init__(self, schedule: optax.Schedule | float):
@@ -292,20 +292,27 @@ class NanPolicy(Callback):
     with the metrics at each log point.
 
     Args:
-      mode: ``"stop"`` ends training at the next log point, naming the first
-        non-finite step. ``"skip"`` requires the optimizer to be wrapped in
-        ``optax.apply_if_finite``, which drops non-finite updates on device; the
-        number skipped is logged as ``skipped_updates``. If it gives up (more
-        consecutive non-finite updates than its ``max_consecutive_errors``: it
-        then applies them), training stops at the next log point.
+      mode: ``"stop"`` ends training at the next log point, naming the first non-finite
+        step. ``"skip"`` requires the optimizer to be wrapped in
+        ``optax.apply_if_finite``, which drops non-finite updates on device; the number
+        skipped is logged as ``skipped_updates``. If it gives up (more consecutive
+        non-finite updates than its ``max_consecutive_errors``: it then applies them),
+        training stops at the next log point.
 
-    Either way `pztrain.Checkpoints` never saves params that are not finite, and
-    the arrays at fault are named (`pztrain.step.explain_in_run`) in the stop
-    message, or in the record's ``"nonfinite"`` when updates are skipped. To
-    name them on a stop, the run's newest checkpoint at or before the first
-    non-finite step is restored and the steps from it replayed, one at a time,
-    up to the first whose update is not finite (at most the steps since that
-    checkpoint, and only once the run has gone wrong).
+    Either way `pztrain.Checkpoints` never saves params that are not finite, and the
+    arrays at fault are named (`pztrain.step.explain_in_run`) in the stop message, or in
+    the record's ``"nonfinite"`` when updates are skipped; on a stop, by replaying the
+    steps from the run's newest checkpoint before the first non-finite one (only once
+    the run has gone wrong).
+
+    Example:
+      >>> from pztrain import TrainState
+      >>> tx = optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=10)
+      >>> state = TrainState.initial_state({"w": jnp.ones(2)}, tx, jax.random.key(0))
+      >>> state = state.apply_gradients({"w": jnp.full(2, jnp.nan)})  # skipped
+      >>> record = {"step": 1, "metrics": {}}  # as fit gives it at a log point
+      >>> NanPolicy("skip").on_log(state, record), record["metrics"], state.params["w"]
+      (None, {'skipped_updates': 1.0}, Array([1., 1.], dtype=float32))
     """
 
     def __init__(self, mode: str = "stop"):
@@ -351,13 +358,12 @@ def _apply_if_finite_state(opt_state: Any) -> Any:
 class ProgressBar(Callback):
     """A tqdm progress bar (notebook-aware via ``tqdm.auto``).
 
-    It paces itself: it asks the loop to stop by about every ``seconds`` of wall
-    time at the step rate it has seen (ten times per log interval at first),
-    moves there, and shows the last train metrics (the loss, the learning rate
-    when logged) with the last eval metrics. It reads nothing from the device.
-    Its line stays within the terminal's width (written to a pipe or a file:
-    ``COLUMNS``, else 80 characters), and its rate and ETA count from its first
-    move, after the compile.
+    It paces itself: it asks the loop to stop by about every ``seconds`` of wall time at
+    the step rate it has seen (ten times per log interval at first), moves there, and
+    shows the last train metrics (the loss, the learning rate when logged) with the last
+    eval metrics. It reads nothing from the device. Its line stays within the terminal's
+    width (written to a pipe or a file: ``COLUMNS``, else 80 characters), and its rate
+    and ETA count from its first move, after the compile.
 
     Args:
       metrics: Names to show (default: all train metrics).
@@ -365,15 +371,12 @@ class ProgressBar(Callback):
       seconds: The wall time between moves, once the step rate is known.
 
     Example:
-      The pacing follows the clock it is given (as `fit` gives it):
-
       >>> class Bar:
       ...     def __init__(self, **kw): self.moves = []
       ...     def update(self, n): self.moves.append(n)
-      >>> pb = ProgressBar(make_bar=Bar)
+      >>> pb = ProgressBar(make_bar=Bar)  # paced by the clock fit gives it
       >>> info = LoopInfo(start_step=0, end_step=None, steps_per_epoch=None,
-      ...                 steps_per_call=1, log_every=100, evaluates=False,
-      ...                 run_dir=None)
+      ...     steps_per_call=1, log_every=100, evaluates=False, run_dir=None)
       >>> pb.on_train_start(None, info)
       >>> pb.on_advance(0, t=0.0)  # at first: a tenth of a log interval
       10

@@ -33,9 +33,7 @@ class Logger(Protocol):
     """What `pztrain.fit` calls on each logger.
 
     Example:
-      Any object with the three methods is one (give it to ``fit(loggers=)``):
-
-      >>> class PrintLogger:
+      >>> class PrintLogger:  # any object with the three methods: fit(loggers=[...])
       ...     def log_hparams(self, hparams): print("hparams", hparams)
       ...     def log_record(self, record): print(record["step"], record["metrics"])
       ...     def close(self): pass
@@ -330,11 +328,9 @@ class MLflowLogger:
       run_id: The MLflow run's id.
 
     Example:
-      A local file store (MLflow asks for ``MLFLOW_ALLOW_FILE_STORE`` to use one):
-
       >>> import tempfile, unittest.mock
       >>> from mlflow.tracking import MlflowClient
-      >>> with (tempfile.TemporaryDirectory() as d,
+      >>> with (tempfile.TemporaryDirectory() as d,  # a local store, if allowed:
       ...       unittest.mock.patch.dict(os.environ, MLFLOW_ALLOW_FILE_STORE="1")):
       ...     uri = f"file://{d}/mlruns"
       ...     log = MLflowLogger("demo", tracking_uri=uri)
@@ -407,9 +403,7 @@ class WandbLogger:
       run: The ``wandb.Run``.
 
     Example:
-      With ``mode="disabled"`` nothing is written or sent (W&B's dry run):
-
-      >>> log = WandbLogger("demo", mode="disabled")
+      >>> log = WandbLogger("demo", mode="disabled")  # nothing written or sent
       >>> log.log_hparams({"lr": 0.1})
       >>> log.log_record({"step": 1, "split": "train", "metrics": {"loss": 0.5}})
       >>> log.run.config["lr"], log.run.summary["train/loss"]
