@@ -63,6 +63,17 @@ def evaluate(
       pztrain.ema.NoEmaError: ``ema`` asked of a state without an EMA.
       KeyboardInterrupt: at the batch after a SIGINT (in the main thread; see
         `pztrain.fit` for signals).
+
+    Example:
+      >>> import numpy as np, optax, pztrain
+      >>> def eval_fn(*, model, state, rng, x):
+      ...     return {"mean": jnp.mean(x * model["w"])}
+      >>> state = TrainState.initial_state({"w": jnp.array(2.0)}, optax.sgd(0.1),
+      ...                                  jax.random.key(0))
+      >>> data = pztrain.ArrayLoader({"x": np.arange(10.0)}, batch_size=4,
+      ...                            shuffle=False, drop_remainder=False)  # 4, 4, 2
+      >>> evaluate(state, pztrain.build_eval_step(eval_fn), data)  # 2 * mean(0..9)
+      {'mean': 9.0}
     """
     with stop_signals() as flag:
         values = evaluate_until(state, eval_step, data, flag, ema)
