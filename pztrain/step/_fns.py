@@ -45,7 +45,14 @@ __all__ = [
 
 
 class LossFunction(Protocol):
-    """The loss-function contract, penzai's unchanged."""
+    """The loss-function contract, penzai's unchanged.
+
+    Example:
+      >>> def loss_fn(*, model, state, rng, x):  # state: a count of calls
+      ...     return jnp.mean((x - model["w"]) ** 2), state + 1, {"w": model["w"]}
+      >>> loss_fn(model={"w": 1.0}, state=0, rng=jax.random.key(0), x=jnp.ones(3))
+      (Array(0., dtype=float32), 1, {'w': 1.0})
+    """
 
     def __call__(
         self, *, model: Any, state: Any, rng: jax.Array, **batch: Any
@@ -62,12 +69,6 @@ class LossFunction(Protocol):
           ``(loss, new_state, aux)``: a float scalar, a new state with the
           structure of ``state``, and any pytree (usually a dict of scalar
           metrics).
-
-        Example:
-          >>> def loss_fn(*, model, state, rng, x):  # state: a count of calls
-          ...     return jnp.mean((x - model["w"]) ** 2), state + 1, {"w": model["w"]}
-          >>> loss_fn(model={"w": 1.0}, state=0, rng=jax.random.key(0), x=jnp.ones(3))
-          (Array(0., dtype=float32), 1, {'w': 1.0})
         """
 
 
