@@ -7,7 +7,10 @@ module's ``__all__`` is there: rendered by an autodoc directive
 for an object already rendered under another public name, listed under "Also
 here" with a reference to that entry; a submodule links to its page. The site's
 build (``tests/test_docs_build.py``) then fails on any reference that does not
-resolve.
+resolve, and on any public name without an entry (``docs/conf.py``).
+
+Every public function and class has an example in its docstring: a ``>>>`` line,
+run as a doctest (``pytest --doctest-modules pztrain``).
 """
 
 from __future__ import annotations
@@ -104,3 +107,63 @@ def test_a_name_without_an_entry_is_reported(tmp_path):
     assert missing_entries("pztrain.state", tmp_path / "api") == [
         "pztrain.state.TrainState"
     ]
+
+
+# Public names whose docstring has no example yet, and why. Each must still lack
+# one: once it has, the test below says to take it off this list.
+NO_EXAMPLE_YET = {
+    "pztrain.fit": "at house.py's 60-line limit for a function (signature and Args)",
+    "pztrain.TrainStep": "pztrain/step/_train.py is being edited (its methods have)",
+    "pztrain.ShardingError": "pztrain/sharding/ is being edited",
+    "pztrain.sharded_initial_state": "pztrain/sharding/ is being edited",
+    "pztrain.state_shardings": "pztrain/sharding/ is being edited",
+}
+
+
+def _has_example(obj: object) -> bool:
+    """Whether the object's own docstring has a doctest line (``>>>``)."""
+    doc = obj.__doc__ or ""  # a class's own: not inherited, as inspect.getdoc's is
+    return any(line.lstrip().startswith(">>>") for line in doc.splitlines())
+
+
+def public_without_example() -> list[str]:
+    """The public functions and classes (of every public module's ``__all__``)
+    whose docstring has no example, each by its first public name."""
+    seen, missing = set(), []
+    for module in MODULES:
+        mod = importlib.import_module(module)
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if not _has_example(obj):
+                missing.append(f"{module}.{name}")
+    return missing
+
+
+def test_every_public_function_and_class_has_an_example():
+    exempt = {id(_object(name)) for name in NO_EXAMPLE_YET}
+    missing = [
+        name for name in public_without_example() if id(_object(name)) not in exempt
+    ]
+    assert not missing, (
+        f"{len(missing)} public functions and classes have no example in their "
+        f"docstring: {', '.join(missing)}. Add an 'Example:' section whose '>>>' "
+        "lines show the typical use and print something to check (it runs as a "
+        "doctest: python -m pytest pztrain/)."
+    )
+
+
+def test_the_names_left_without_an_example_still_lack_one():
+    done = [name for name in NO_EXAMPLE_YET if _has_example(_object(name))]
+    assert not done, f"{done} now have an example: take them off NO_EXAMPLE_YET"
+
+
+def test_a_docstring_without_an_example_is_reported(monkeypatch):
+    from pztrain.callbacks import LearningRateMonitor
+
+    monkeypatch.setattr(LearningRateMonitor, "__doc__", "Adds the learning rate.")
+    assert "pztrain.LearningRateMonitor" in public_without_example()
