@@ -4,6 +4,7 @@ subprocess (the device count must be set before jax is imported)."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -14,6 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from mesh_cases import (
+    COLLECTIVES,
     LAYOUTS,
     batches,
     collectives,
@@ -188,31 +190,71 @@ def lm_loss(*, model, state, rng, tokens):
     return loss.mean(), state, {"loss": loss.mean()}
 
 
+LM_RULES = ShardingRules(
+    axes={"heads": "model", "neurons": "model", "vocabulary": "model"},
+    fsdp="data",
+)
+TOKENS = np.random.default_rng(0).integers(0, 32, (5, 8, 9)).astype(np.int32)
+
+
+def _lm_state():
+    return pztrain.TrainState.initial_state(
+        _transformer(), optax.adam(1e-2), jax.random.key(2)
+    )
+
+
 @pytest.mark.parametrize(
-    ("types", "microbatches"), [("auto", 1), ("explicit", 1), ("explicit", 2)]
+    ("types", "microbatches"),
+    [("auto", 1), ("explicit", 1), ("mixed", 1), ("explicit", 2)],
 )
 def test_a_transformer_on_a_data_by_model_mesh_equals_one_device(types, microbatches):
-    rules = ShardingRules(
-        axes={"heads": "model", "neurons": "model", "vocabulary": "model"},
-        fsdp="data",
-    )
     m = mesh((4, 2), ("data", "model"), types)
-
-    def make():
-        return pztrain.TrainState.initial_state(
-            _transformer(), optax.adam(1e-2), jax.random.key(2)
-        )
-
-    state = sharded_initial_state(make, m, rules)
+    state = sharded_initial_state(_lm_state, m, LM_RULES)
     assert any("model" in str(x.sharding.spec) for x in state.params.values())
+    before = _leaf_shardings(state)
     step = pztrain.build_train_step(lm_loss, mesh=m, microbatches=microbatches)
-    one, one_step = make(), pztrain.build_train_step(lm_loss)
-    tokens = np.random.default_rng(0).integers(0, 32, (5, 8, 9)).astype(np.int32)
-    for t in tokens:
+    one, one_step = _lm_state(), pztrain.build_train_step(lm_loss)
+    for t in TOKENS:
         state, _ = step(state, tokens=t)
         one, _ = one_step(one, tokens=t)
     for name in one.params:
         np.testing.assert_allclose(state.params[name], one.params[name], atol=1e-5)
+    assert _leaf_shardings(state) == before
+
+
+def _leaf_shardings(state):
+    """The shardings of the state's step, params and optimizer state."""
+    trees = (state.step, state.params, state.opt_state)
+    return [x.sharding for x in jax.tree.leaves(trees)]
+
+
+@functools.cache
+def _transformer_collectives(types):
+    """The collectives of the transformer's compiled step on a 4 x 2 mesh."""
+    m = mesh((4, 2), ("data", "model"), types)
+    state = sharded_initial_state(_lm_state, m, LM_RULES)
+    step = pztrain.build_train_step(lm_loss, mesh=m)
+    text = step.lower(state, tokens=TOKENS[0]).compile().as_text()
+    ops = (*COLLECTIVES, "all-to-all")
+    found = re.findall(r"\s(" + "|".join(ops) + r")(?:-start)?\(", text)
+    return {op: found.count(op) for op in ops}
+
+
+@pytest.mark.parametrize("types", ["explicit", "mixed"])
+def test_a_transformer_compiles_the_collectives_of_auto_axes(types):
+    """The step on Explicit or mixed axes compiles the collectives of the
+    step on Auto axes (penzai named-axis rules on model, FSDP on data)."""
+    assert _transformer_collectives(types) == _transformer_collectives("auto")
+    # Auto's, measured (jax 0.10.2, CPU): 8 all-reduces over "model" (the
+    # tensor-parallel partial sums, forward and backward), 1 over "data" (the
+    # grads and the loss, fused), and the 3 FSDP-split norm scales gathered.
+    assert _transformer_collectives("auto") == {
+        "all-reduce": 9,
+        "all-gather": 3,
+        "reduce-scatter": 0,
+        "collective-permute": 0,
+        "all-to-all": 0,
+    }
 
 
 def test_a_batch_that_does_not_divide_over_the_data_axes_is_named():
