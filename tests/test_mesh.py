@@ -1,8 +1,9 @@
-"""Sharding rules, sharded init and mesh train steps on 8 simulated devices.
+"""Sharding rules, sharded init, mesh train steps and the loop's APIs on
+meshes, on 8 simulated devices.
 
-The cases live in ``mesh_cases.py`` and ``explicit_mesh_cases.py``: the device
-count must be set before jax is imported, so they run in a pytest subprocess with
-``XLA_FLAGS``."""
+The cases live in ``mesh_cases.py``, ``explicit_mesh_cases.py`` and
+``explicit_api_cases.py``: the device count must be set before jax is imported,
+so each file runs in a pytest subprocess with ``XLA_FLAGS``."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ pytestmark = pytest.mark.slow  # subprocesses, notebooks, examples
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("cases", ["mesh_cases.py", "explicit_mesh_cases.py"])
+@pytest.mark.parametrize(
+    "cases", ["mesh_cases.py", "explicit_mesh_cases.py", "explicit_api_cases.py"]
+)
 def test_mesh_cases_on_eight_devices(cases):
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
