@@ -8,6 +8,9 @@ a rebuild with unchanged notebooks runs none of them.
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -81,6 +84,7 @@ html_theme_options = {
 
 # Every reference to a pztrain name must resolve (a missing API entry is an error);
 # references to other libraries' types (jax, optax, numpy, typing) are not checked.
+# Every public name must have an entry, referenced or not (`_missing_api_entries`).
 nitpicky = True
 nitpick_ignore_regex = [(r"py:.*", r"^(?!pztrain\b).*")]
 napoleon_use_ivar = True  # "Attributes:" as fields: NamedTuple fields documented once
@@ -115,8 +119,6 @@ def _documented_home(app, env, node, contnode):
     target = node.get("reftarget", "")
     if node.get("refdomain") != "py" or not target.startswith("pztrain."):
         return None
-    import importlib
-
     modname, _, attr = target.rpartition(".")
     try:
         obj = getattr(importlib.import_module(modname), attr)
@@ -143,6 +145,58 @@ def _documented_home(app, env, node, contnode):
     return None
 
 
+def _public_modules() -> list[str]:
+    """The public modules: those of ``tests/public_api.json``, the snapshot the
+    API tests walk (none in a checkout without it)."""
+    snapshot = ROOT / "tests" / "public_api.json"
+    return list(json.loads(snapshot.read_text())) if snapshot.exists() else []
+
+
+# The modules whose ``__all__`` names must each have an entry in the built site.
+pztrain_api_modules = _public_modules()
+
+
+def _missing_api_entries(app, env):
+    """A warning (an error with ``-W``) for each name in the ``__all__`` of
+    ``pztrain_api_modules`` that has no entry in the site: no autodoc directive of
+    that name or of another public name of the same object (documented once, under
+    its first public name), and, for a submodule, no ``automodule``."""
+    from sphinx.util import logging
+
+    domain = env.get_domain("py")
+    documented = set()  # ids of the objects that have an entry
+    for full in domain.objects:
+        modname, _, attr = full.rpartition(".")
+        if full.startswith("pztrain.") and modname in sys.modules:
+            documented.add(id(getattr(sys.modules[modname], attr, None)))
+    for module in app.config.pztrain_api_modules:
+        mod = importlib.import_module(module)
+        for name in mod.__all__:
+            obj, full = getattr(mod, name), f"{module}.{name}"
+            if inspect.ismodule(obj):
+                found = obj.__name__ in domain.modules
+            else:
+                found = full in domain.objects or id(obj) in documented
+            if not found:
+                page = f"api/{module}"
+                logging.getLogger(__name__).warning(
+                    f"{full} has no entry in the API reference: add '.. auto"
+                    f"{_directive(obj)}:: {full}' to docs/{page}.md (or "
+                    "'.. automodule::' for a submodule)",
+                    location=page if page in env.found_docs else None,
+                    type="pztrain",
+                    subtype="api_entry",
+                )
+
+
+def _directive(obj: object) -> str:
+    if inspect.isclass(obj):
+        return "exception" if issubclass(obj, BaseException) else "class"
+    return "function" if callable(obj) else "data"
+
+
 def setup(app):
+    app.add_config_value("pztrain_api_modules", [], "env", types=frozenset({list}))
     app.connect("autodoc-process-docstring", _constant_docstrings)
     app.connect("missing-reference", _documented_home)
+    app.connect("env-check-consistency", _missing_api_entries)

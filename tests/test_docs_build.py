@@ -3,9 +3,10 @@
 ``sphinx-build -W -b html docs <out>`` runs every notebook (myst-nb through
 jupyter-cache), renders the guides and the API reference, and checks every
 internal link and every reference to a pztrain name (``nitpicky``; other
-libraries' names are not checked). Three small sites built with the same
-``conf.py`` show that a notebook that raises, a broken internal link and a
-reference to a name without an entry each fail the build, naming what is wrong.
+libraries' names are not checked), and that every public name has an entry.
+Small sites built with the same ``conf.py`` show that a notebook that raises, a
+broken internal link, a reference to a name without an entry and a public name
+without one each fail the build, naming what is wrong.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def _small_site(tmp_path: Path, index: str, notebook_cells=None) -> Path:
     (site / "docs").mkdir(parents=True)
     (site / "notebooks").mkdir()
     shutil.copyfile(ROOT / "docs" / "conf.py", site / "docs" / "conf.py")
+    shutil.copytree(ROOT / "docs" / "_static", site / "docs" / "_static")
     (site / "docs" / "index.md").write_text(index)
     if notebook_cells is not None:
         nb = nbformat.v4.new_notebook()
@@ -108,3 +110,40 @@ def test_a_reference_without_an_api_entry_fails_the_build(tmp_path, env):
     assert run.returncode != 0
     assert "pztrain.no_such_function" in run.stderr
     assert "jax.Array" not in run.stderr  # other libraries' names are not checked
+
+
+EMA_ENTRIES = """# Site
+
+```{eval-rst}
+.. automodule:: pztrain.ema
+   :no-members:
+
+.. autoclass:: pztrain.ema.EmaState
+
+.. autoexception:: pztrain.ema.NoEmaError
+
+.. autofunction:: pztrain.ema.ema_decay
+
+.. autofunction:: pztrain.ema.ema_params_of
+
+.. autofunction:: pztrain.with_ema
+```
+"""
+
+
+def test_a_public_name_without_an_api_entry_fails_the_build(tmp_path, env):
+    """pztrain.ema's names but ``has_ema``: ``with_ema`` has its entry under its
+    first public name (``pztrain.with_ema``), ``has_ema`` none. With it, the same
+    site builds."""
+    only_ema = ("-D", "pztrain_api_modules=pztrain.ema")
+    docs = _small_site(tmp_path / "without", EMA_ENTRIES)
+    run = sphinx(docs, tmp_path / "out", env, *only_ema)
+    assert run.returncode != 0
+    assert "pztrain.ema.has_ema has no entry in the API reference" in run.stderr
+    assert "autofunction:: pztrain.ema.has_ema" in run.stderr  # the fix
+    for documented in ["EmaState", "NoEmaError", "ema_decay", "with_ema"]:
+        assert f"pztrain.ema.{documented} has no entry" not in run.stderr
+    has_ema = "\n.. autofunction:: pztrain.ema.has_ema\n```\n"
+    docs = _small_site(tmp_path / "with", EMA_ENTRIES.replace("```\n", has_ema))
+    run = sphinx(docs, tmp_path / "out2", env, *only_ema)
+    assert run.returncode == 0, run.stderr[-2000:]
