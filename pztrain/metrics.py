@@ -31,10 +31,10 @@ class Summary(NamedTuple):
       first_nonfinite_step: The first such step, or -1.
 
     Example:
-      >>> import jax.numpy as jnp
-      >>> sums = MetricSums.zeros(["loss"])
-      >>> for step, loss in enumerate([1.0, 3.0]):
-      ...     sums = sums.add(jnp.float32(loss), {}, jnp.int32(step))
+      >>> import jax, jax.numpy as jnp
+      >>> sums, add = MetricSums.zeros(["loss"]), jax.jit(MetricSums.add)
+      >>> for step, loss in enumerate([1.0, 3.0]):  # as a step adds them, jitted
+      ...     sums = add(sums, jnp.float32(loss), {}, jnp.int32(step))
       >>> sums.read()
       Summary(means={'loss': 2.0}, count=2, nonfinite=0, first_nonfinite_step=-1)
     """
