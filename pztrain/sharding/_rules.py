@@ -42,7 +42,19 @@ MeshAxes = str | tuple[str, ...] | None
 
 
 class ShardingError(ValueError):
-    """Sharding rules or a mesh that do not fit the state."""
+    """Sharding rules or a mesh that do not fit the state.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, pztrain
+      >>> s = pztrain.TrainState.initial_state(
+      ...     {"w": jnp.zeros(4)}, optax.sgd(0.1), jax.random.key(0))
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> try:
+      ...     pztrain.state_shardings(s, mesh, pztrain.ShardingRules(fsdp="model"))
+      ... except ShardingError as err:
+      ...     print("model" in str(err))
+      True
+    """
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,6 +70,15 @@ def state_shardings(
 
     Raises:
       ShardingError: naming the parameter whose rule does not fit it or the mesh.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> s = TrainState.initial_state(
+      ...     {"w": jnp.zeros((4, 2))}, optax.adam(0.1), jax.random.key(0))
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> out = state_shardings(s, mesh, ShardingRules(fsdp="data"))
+      >>> tuple(out.params["w"].spec), tuple(out.opt_state[0].mu["w"].spec)
+      (('data',), ('data',))
     """
     if not isinstance(state, TrainState):
         raise ShardingError(
@@ -191,6 +200,16 @@ def sharded_initial_state(
 
     Returns:
       The state, every array with its `state_shardings` sharding.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> s = sharded_initial_state(
+      ...     lambda: TrainState.initial_state(
+      ...         {"w": jnp.ones((4, 2))}, optax.adam(0.1), jax.random.key(0)),
+      ...     mesh, ShardingRules(fsdp="data"))
+      >>> tuple(s.params["w"].sharding.spec), float(s.params["w"].sum())
+      (('data',), 8.0)
     """
     abstract = jax.eval_shape(make_state)
     shardings = state_shardings(abstract, mesh, rules)

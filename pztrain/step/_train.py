@@ -100,6 +100,18 @@ class TrainStep:
         ``"per_param"`` one per parameter, ``"grad_norm/<name>"``; computed on
         device in the step (in float32, after micro-batches are averaged), so
         `pztrain.fit` sums and logs them like any metric.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, pztrain
+      >>> def loss_fn(*, model, state, rng, x):
+      ...     loss = jnp.mean((x @ model["w"] - 1.0) ** 2)
+      ...     return loss, state, {"loss": loss}
+      >>> s = pztrain.TrainState.initial_state(
+      ...     {"w": jnp.zeros(2)}, optax.sgd(0.1), jax.random.key(0))
+      >>> train_step = pztrain.build_train_step(loss_fn)
+      >>> s, aux = train_step(s, x=jnp.ones((4, 2)))
+      >>> int(s.step), round(float(aux["loss"]), 3)
+      (1, 1.0)
     """
 
     def __init__(
