@@ -25,10 +25,10 @@ def test_functional_loop_learns_digits():
 
 
 def test_digits_example_with_fit(tmp_path):
-    accuracy = _load("digits").main(
-        epochs=4, run_dir=str(tmp_path / "run"), progress=False
-    )
-    assert accuracy > 0.9
+    # The main job as README runs it (its default epochs): README says the test
+    # accuracy is above 0.97.
+    accuracy = _load("digits").main(run_dir=str(tmp_path / "run"), progress=False)
+    assert accuracy > 0.97
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"eval"') >= 4
 
 
