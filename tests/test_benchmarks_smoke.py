@@ -72,3 +72,19 @@ def test_ema_benchmark_completes():
         timeout=300,
     )
     assert "pztrain_ema/raw_ema" in out and "target pztrain_ema/raw_ema" in out
+
+
+def test_nnx_benchmark_completes():
+    out = _run(
+        "benchmarks/nnx_bench.py",
+        "--rounds",
+        "3",
+        "--trial-seconds",
+        "0.02",
+        "--dropout",
+        "0.1",
+        timeout=300,
+    )
+    for key in ("functional", "functional_leaves", "pztrain", "nnx_optimizer"):
+        assert f"\n{key} " in out
+    assert "pztrain / functional_leaves" in out

@@ -336,6 +336,7 @@ class TrainStep:
             microbatches=self.microbatches,
             explicit_loss=self.explicit_loss,
             mode=self.mode,
+            grad_norms=self.grad_norms,
         )
 
     def metric_sums(
