@@ -4,6 +4,7 @@ private names, and an ARCHITECTURE.md that names every module."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -23,11 +24,18 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(path: Path) -> tuple[set[str], dict[str, str]]:
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The syntax tree of a module, parsed once for all the tests."""
+    return ast.parse(path.read_text())
+
+
+@functools.cache
+def _imports(path: Path) -> tuple[frozenset[str], dict[str, str]]:
     """Modules of the package that ``path`` imports (anywhere in the file, type
     checking blocks included), and the local aliases of imported modules."""
     edges, aliases = set(), {}
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
             "pztrain"
         ):
@@ -42,7 +50,7 @@ def _imports(path: Path) -> tuple[set[str], dict[str, str]]:
             for alias in node.names:
                 if alias.name in MODULES:
                     edges.add(alias.name)
-    return edges, aliases
+    return frozenset(edges), aliases
 
 
 def _graph() -> dict[str, set[str]]:
@@ -80,7 +88,7 @@ def test_no_import_circles():
 def test_no_module_reads_another_modules_private_names():
     found = []
     for name, path in MODULES.items():
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         _, aliases = _imports(path)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
