@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import sys
@@ -13,7 +14,6 @@ import numpy as np
 import optax
 import optuna
 import pytest
-from sklearn.datasets import load_digits
 
 from pztrain.callbacks import Callback
 from pztrain.checkpoint import Checkpoints
@@ -28,13 +28,15 @@ PRUNED, COMPLETE = optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.COMPL
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
+@functools.cache
 def _digits():
+    """The digits, train and validation: read when a test first trains (importing
+    scikit-learn takes seconds, and the fast subset runs none of these tests)."""
+    from sklearn.datasets import load_digits
+
     digits = load_digits()
     x, y = (digits.data / 16.0).astype(np.float32), digits.target.astype(np.int32)
     return {"x": x[:1280], "y": y[:1280]}, {"x": x[1280:], "y": y[1280:]}
-
-
-TRAIN, VALID = _digits()
 
 
 def loss_fn(*, model, state, rng, x, y):
@@ -63,10 +65,10 @@ def _fit(state, callbacks, **kwargs):
     return fit(
         state,
         TRAIN_STEP,
-        ArrayLoader(TRAIN, 128, seed=0),  # 10 steps per epoch
+        ArrayLoader(_digits()[0], 128, seed=0),  # 10 steps per epoch
         num_epochs=4,
         eval_step=EVAL_STEP,
-        eval_data=ArrayLoader(VALID, 517, shuffle=False, drop_remainder=False),
+        eval_data=ArrayLoader(_digits()[1], 517, shuffle=False, drop_remainder=False),
         callbacks=callbacks,
         progress=False,
         **kwargs,
@@ -83,6 +85,7 @@ class KeepHistory(Callback):
         self.histories.append(history)
 
 
+@pytest.mark.slow  # five trials, each a run with checkpoints
 def test_pruned_trials_are_pruned_and_reports_match_the_history(tmp_path):
     study = optuna.create_study(
         pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
@@ -120,6 +123,7 @@ def test_pruned_trials_are_pruned_and_reports_match_the_history(tmp_path):
     assert study.best_value < 1.0  # learned: chance is log(10) = 2.3
 
 
+@pytest.mark.slow  # three runs on the digits
 def test_bad_monitor_trial_and_missing_optuna_are_clear_errors(monkeypatch):
     study = optuna.create_study()
     trial = study.ask()
@@ -138,7 +142,7 @@ def test_bad_monitor_trial_and_missing_optuna_are_clear_errors(monkeypatch):
         fit(
             _state(0.1),
             TRAIN_STEP,
-            ArrayLoader(TRAIN, 128),
+            ArrayLoader(_digits()[0], 128),
             num_steps=2,
             callbacks=[OptunaPruning(trial)],
             progress=False,
