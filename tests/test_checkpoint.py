@@ -49,6 +49,7 @@ def _assert_params_equal(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow  # trains each family to save it
 @pytest.mark.parametrize("family", ["penzai_v2", "penzai_v1", "equinox", "flax"])
 def test_params_round_trip_into_state_model_and_dict(tmp_path, family):
     trained = _trained(family)
@@ -68,6 +69,7 @@ def test_params_round_trip_into_state_model_and_dict(tmp_path, family):
         _assert_params_equal(state_of_model.params, trained.params)
 
 
+@pytest.mark.slow  # trains, saves, loads and runs the model again
 def test_loaded_penzai_model_runs_like_the_trained_one(tmp_path):
     trained = _trained("penzai_v2")
     pztrain.save_params(tmp_path / "p", trained)
@@ -201,6 +203,7 @@ def test_full_state_round_trip_keeps_exact_types(tmp_path):
         pztrain.load_state(tmp_path / "s", other)
 
 
+@pytest.mark.slow  # trains an equinox model to save it
 def test_no_pickle_is_written_or_loaded(tmp_path, monkeypatch):
     state = _trained("equinox")
     pztrain.save_state(tmp_path / "s", state)
@@ -261,6 +264,7 @@ def _fit_setup():
     )
 
 
+@pytest.mark.slow  # a run with keep_last and keep_best: many saves
 def test_keep_last_and_best_never_delete_the_newest(tmp_path):
     data, eval_data, step, eval_step = _fit_setup()
     ckpt = pztrain.Checkpoints(
@@ -291,6 +295,7 @@ def test_keep_last_and_best_never_delete_the_newest(tmp_path):
     assert not list((tmp_path / "c").glob("*tmp*"))
 
 
+@pytest.mark.slow  # a run saving every 4 steps, interrupted
 def test_saves_finish_when_the_run_is_interrupted(tmp_path):
     data, _, step, _ = _fit_setup()
 
@@ -318,6 +323,7 @@ def test_saves_finish_when_the_run_is_interrupted(tmp_path):
     assert not list((tmp_path / "c").glob("*tmp*"))
 
 
+@pytest.mark.slow  # three runs
 def test_resume_in_process_is_exact_and_logs_continue(tmp_path):
     data, eval_data, step, eval_step = _fit_setup()
 
@@ -358,6 +364,7 @@ def test_resume_in_process_is_exact_and_logs_continue(tmp_path):
     assert [r["metrics"] for r in records] == [r["metrics"] for r in expected]
 
 
+@pytest.mark.slow  # a run, a damaged save and a resume
 def test_unreadable_newest_checkpoint_is_skipped_with_a_warning(tmp_path):
     data, _, step, _ = _fit_setup()
     ckpt = pztrain.Checkpoints(tmp_path / "c", every_steps=4, keep_last=5)

@@ -45,6 +45,7 @@ def _assert_same_model(model: MLP, state) -> None:
         np.testing.assert_array_equal(_plain(a), _plain(b))
 
 
+@pytest.mark.slow  # loads into three targets (test_load_from_checkpoint_... stays fast)
 def test_params_checkpoints_keep_batch_statistics_and_rng_state(tmp_path):
     trained = _trained()
     pztrain.save_params(tmp_path / "p", trained)
@@ -60,6 +61,7 @@ def test_params_checkpoints_keep_batch_statistics_and_rng_state(tmp_path):
     _assert_same_model(pztrain.load_params(tmp_path / "p", abstract), trained)
 
 
+@pytest.mark.slow  # an NNX run, a save and a rebuild
 def test_load_from_checkpoint_rebuilds_the_model_with_its_state(tmp_path):
     trained = _trained()
     pztrain.save_params(tmp_path / "p", trained, metadata={"hparams": {"hidden": 16}})
@@ -69,6 +71,7 @@ def test_load_from_checkpoint_rebuilds_the_model_with_its_state(tmp_path):
     _assert_same_model(model, trained)
 
 
+@pytest.mark.slow  # an export and an import
 def test_safetensors_hold_batch_statistics_and_key_data(tmp_path):
     trained = _trained()
     path = pztrain.export_safetensors(tmp_path / "m.safetensors", trained)
@@ -81,6 +84,7 @@ def test_safetensors_hold_batch_statistics_and_key_data(tmp_path):
     _assert_same_model(model, trained)
 
 
+@pytest.mark.slow  # 15 steps around a save and a load
 def test_full_state_resume_is_bitwise_with_batch_norm_and_dropout(tmp_path):
     step = pztrain.build_train_step(loss_fn)
     full = _state()

@@ -125,6 +125,7 @@ def test_damaged_array_files_are_refused_naming_the_parameter(tmp_path, damage):
     assert "TensorStore" not in message and "\n" not in message
 
 
+@pytest.mark.slow  # a fit, a save and a damaged read
 def test_a_damaged_state_array_is_named_by_its_path(tmp_path):
     trained = _state().apply_gradients({"w": jnp.ones(4)})  # mu is not zero
     ckpt = pztrain.save_state(tmp_path / "s", trained)
@@ -376,6 +377,7 @@ def test_checksums_on_several_threads_match_and_catch_a_flip(tmp_path, monkeypat
         pztrain.load_params(threaded, params)
 
 
+@pytest.mark.slow  # trains twice around a save
 def test_a_large_array_read_from_its_file_trains_like_the_saved_one(tmp_path):
     import gc
 

@@ -76,6 +76,7 @@ def test_a_fresh_run_refuses_a_directory_that_holds_checkpoints(tmp_path):
     assert _files(tmp_path) == before  # nothing touched
 
 
+@pytest.mark.slow  # two runs
 def test_overwrite_deletes_the_other_runs_checkpoints_when_training_starts(tmp_path):
     train(new_state(), pztrain.Checkpoints(tmp_path / "c"), num_steps=4)
     ckpt = pztrain.Checkpoints(tmp_path / "c", overwrite=True)
@@ -130,6 +131,7 @@ def test_resume_into_another_structure_is_an_error_and_touches_nothing(tmp_path)
     assert _files(tmp_path) == before
 
 
+@pytest.mark.slow  # a run, damaged saves and a resume
 def test_resume_sets_unreadable_newer_checkpoints_aside_and_saves_again(tmp_path):
     ckpt = pztrain.Checkpoints(tmp_path, every_steps=2, keep_last=5)
     train(new_state(), ckpt, num_steps=4, log_every=2)
@@ -168,6 +170,7 @@ class FailingEvalData:
         return iter(DATA)
 
 
+@pytest.mark.slow  # three runs
 @pytest.mark.parametrize(
     "num_steps, every, fail_at, kept",
     [
@@ -211,6 +214,7 @@ def test_a_crash_during_evaluation_at_a_checkpointed_step_loses_no_record(
 # ----------------------------------------------------------------- NaN
 
 
+@pytest.mark.slow  # a run stopped by a NaN, then a restore
 def test_a_nan_state_is_never_saved_and_resume_restores_the_last_finite(tmp_path):
     nan_data = [{"x": X}] * 5 + [{"x": X * jnp.nan}] + [{"x": X}] * 10
     ckpt = pztrain.Checkpoints(tmp_path, every_steps=2, keep_last=5)
@@ -232,6 +236,7 @@ def test_a_nan_state_is_never_saved_and_resume_restores_the_last_finite(tmp_path
     assert int(back.step) == 4 and bool(jnp.isfinite(back.params["w"]).all())
 
 
+@pytest.mark.slow  # a run over NaN batches (test_skip_counts_... stays fast)
 def test_skip_whose_apply_if_finite_gave_up_stops_the_run(tmp_path):
     tx = optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=2)
     nan_data = [{"x": X}] * 2 + [{"x": X * jnp.nan}] * 6 + [{"x": X}] * 4
@@ -349,6 +354,7 @@ def test_keep_best_whose_metric_never_appears_warns(tmp_path):
 # ------------------------------------- one Checkpoints object, several runs
 
 
+@pytest.mark.slow  # two runs
 def test_a_resume_after_a_refused_fresh_run_keeps_its_checkpoints(tmp_path):
     """overwrite=True, then a refusal by the log, then resume=True: the
     checkpoint the resume restores is not deleted."""
@@ -361,6 +367,7 @@ def test_a_resume_after_a_refused_fresh_run_keeps_its_checkpoints(tmp_path):
     assert int(state.step) == 6 and ckpt.steps() == [4, 6]
 
 
+@pytest.mark.slow  # two runs
 def test_a_checkpoints_object_serves_a_second_run(tmp_path):
     ckpt = pztrain.Checkpoints(tmp_path, every_steps=2, overwrite=True)
     train(new_state(), ckpt, num_steps=4, log_every=2)
@@ -378,6 +385,7 @@ def test_saving_an_older_step_than_the_newest_is_an_error(tmp_path):
     assert ckpt.steps() == [10]
 
 
+@pytest.mark.slow  # a run and its resume
 def test_an_interruption_between_log_points_resumes_from_a_log_point(tmp_path):
     """Ctrl-C at step 6 with log_every=4: the resumed log equals an
     uninterrupted one (a checkpoint at 6 would average steps 7-8 alone)."""
@@ -421,6 +429,7 @@ def test_resume_with_nothing_to_resume_keeps_the_log(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow  # two runs
 def test_keep_best_by_a_train_metric_with_an_early_evaluation(tmp_path):
     ckpt = pztrain.Checkpoints(tmp_path, keep_best=1, monitor="loss", on_eval=True)
     pztrain.fit(
@@ -445,6 +454,7 @@ def test_resume_refuses_a_checkpoint_of_a_newer_format(tmp_path):
     assert _files(tmp_path) == before  # not set aside as unreadable
 
 
+@pytest.mark.slow  # a run and its resume
 def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(tmp_path):
     """The checkpoint directory exists (the run started) but holds no checkpoint:
     resume=True starts over and its log replaces the killed attempt's records."""
