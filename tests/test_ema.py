@@ -105,6 +105,7 @@ def test_the_ema_is_its_own_array_donated_with_the_state():
     assert not state.ema_params["w"].is_deleted()
 
 
+@pytest.mark.slow  # three runs
 def test_resume_with_ema_is_exact(tmp_path):
     tx = with_ema(ADAM, 0.9, warmup=True)
     kw = dict(log_every=2, progress=False, loggers=[])
@@ -120,6 +121,7 @@ def test_resume_with_ema_is_exact(tmp_path):
         np.testing.assert_array_equal(resumed.params[k], whole.params[k])
 
 
+@pytest.mark.slow  # a run with evaluations and keep_best
 def test_fit_evaluates_the_ema_too_and_keep_best_can_monitor_it(tmp_path):
     # a learning rate that makes the run diverge after step 6: the best is early
     lr = optax.piecewise_constant_schedule(0.05, {6: 60.0})  # lr 3.0
@@ -249,6 +251,7 @@ def test_asking_a_state_without_ema_for_it_says_how():
         save_params("/nonexistent", _model(), ema=True)
 
 
+@pytest.mark.slow  # a compile per family (the EMA tests on a dict model stay fast)
 @pytest.mark.parametrize("make", [penzai_v2_mlp, penzai_v1_mlp, equinox_mlp])
 def test_ema_of_penzai_and_equinox_models(make):
     def xent(*, model, state, rng, x, y):
@@ -292,6 +295,7 @@ def test_injected_hyperparams_are_read_and_set_through_the_ema():
     np.testing.assert_array_equal(state.params["w"], plain.params["w"])
 
 
+@pytest.mark.slow  # an NNX model's step: compiles
 def test_an_nnx_models_ema_loads_with_its_batch_statistics(tmp_path):
     import nnx_models
 

@@ -35,7 +35,7 @@ def _norms(grads):
     return float(np.sqrt(sum(v**2 for v in per.values()))), per
 
 
-@pytest.mark.parametrize("microbatches", [1, 2])
+@pytest.mark.parametrize("microbatches", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_norms_are_those_of_the_grads_the_step_applies(microbatches):
     batch = {"x": X[:8], "y": Y[:8]}
     step = build_train_step(loss_fn, grad_norms="per_param", microbatches=microbatches)

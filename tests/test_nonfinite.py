@@ -11,6 +11,11 @@ import pytest
 import pztrain
 from pztrain.step import find_nonfinite
 
+# Each test compiles a step and re-runs it array by array to name the first
+# non-finite value: seconds apiece. The fast subset keeps the doctests of
+# pztrain.step._nonfinite and NanPolicy's.
+pytestmark = pytest.mark.slow
+
 SIZES = [4, 8, 8, 8, 2]
 
 

@@ -24,6 +24,11 @@ from penzai import pz
 import pztrain
 from pztrain.partition import ParamSlot, PartitionError, merge, split
 
+# 50 random trees a test, their arrays in new shapes and dtypes each: seconds
+# apiece. The fast subset checks split and merge through the doctests and the
+# models of the other tests.
+pytestmark = pytest.mark.slow
+
 SETTINGS = settings(
     max_examples=50,
     deadline=None,

@@ -24,6 +24,10 @@ from penzai.toolshed import basic_training
 
 import pztrain
 
+# Each test compiles penzai's trainer and pztrain's step and runs both for 20
+# steps: seconds apiece, so the whole module is in the full run only.
+pytestmark = pytest.mark.slow
+
 N_STEPS = 20
 BATCH = 8
 FEATURES = 3

@@ -85,6 +85,7 @@ def _recording(tx, seen: list):
     return optax.chain(optax.stateless(record), tx)
 
 
+@pytest.mark.slow  # 50 steps in bfloat16
 def test_bf16_params_train():
     policy = Policy.parse("params=bf16,compute=bf16,output=f32")
     model = policy.cast_to_param(penzai_v2_mlp(hidden=16))
@@ -101,6 +102,7 @@ def test_bf16_params_train():
     assert {v.dtype for v in state.params.values()} == {jnp.dtype(jnp.bfloat16)}
 
 
+@pytest.mark.slow  # two 100-step runs, one in bfloat16
 def test_mixed_precision_tracks_f32_and_optimizer_gets_f32_grads():
     batch = _regression_data()
     seen: list = []
@@ -155,6 +157,7 @@ def _stateful_penzai_model():
     )
 
 
+@pytest.mark.slow  # a compiled step per family
 @pytest.mark.parametrize("family", ["penzai_v2", "equinox"])
 def test_policy_runs_penzai_and_equinox_models(family):
     if family == "penzai_v2":
@@ -206,6 +209,7 @@ def test_cast_to_param_keeps_penzai_sharing_and_leaves_ints_and_keys():
     assert module.weight.dtype == module.bias.dtype == jnp.bfloat16
 
 
+@pytest.mark.slow  # two 30-step runs
 def test_static_loss_scale_gives_the_unscaled_trajectory():
     batch = _regression_data()
     plain, _ = _losses(mixed_precision(_mse, MIXED), _mlp(), 30, batch)
@@ -277,6 +281,7 @@ def test_policy_is_a_frozen_value():
         policy.compute_dtype = jnp.float32  # type: ignore[misc]
 
 
+@pytest.mark.slow  # two optimizers, two batch shapes: compiles
 def test_multisteps_over_micro_batches_equals_one_big_batch():
     """optax.MultiSteps(k=4) on 4 quarter batches == one step on the batch."""
     batch = _regression_data(n=64)

@@ -29,7 +29,17 @@ def _state(family: str, lr: float = 0.05):
     return family_state(family, lr=lr, key_seed=42)
 
 
-@pytest.mark.parametrize("family", ["penzai_v2", "penzai_v1", "equinox", "flax"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "penzai_v2",
+        # a compile per family: the fast subset keeps two (and test_train_state's
+        # Flax-style step)
+        pytest.param("penzai_v1", marks=pytest.mark.slow),
+        "equinox",
+        pytest.param("flax", marks=pytest.mark.slow),
+    ],
+)
 def test_xor_converges(family):
     state = _state(family)
     train_step = pztrain.build_train_step(xor_loss)
@@ -48,6 +58,7 @@ def _rng_loss(*, model, state, rng, x, y):
     return loss, state + 1, {"loss": loss, "key_sum": jnp.sum(jax.random.key_data(rng))}
 
 
+@pytest.mark.slow  # compiles its own steps
 def test_keys_are_fold_in_of_the_step():
     state = _state("equinox").replace(loss_fn_state=jnp.array(100))
     train_step = pztrain.build_train_step(_rng_loss, donate=False)
@@ -58,6 +69,7 @@ def test_keys_are_fold_in_of_the_step():
     assert int(state.loss_fn_state) == 103
 
 
+@pytest.mark.slow  # two steps compiled, one fused
 def test_fused_steps_equal_single_steps():
     k = 4
     xs = jnp.stack([XOR_X * (i + 1) / k for i in range(k)])
@@ -79,6 +91,7 @@ def test_fused_steps_equal_single_steps():
         np.testing.assert_allclose(b.params[name], a.params[name], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # compiles its own steps
 def test_no_recompiles_across_steps():
     traces = []
 
@@ -98,6 +111,7 @@ def test_no_recompiles_across_steps():
     assert len(traces) == 2
 
 
+@pytest.mark.slow  # three steps op by op
 def test_jit_false_matches_jit():
     a, b = _state("equinox"), _state("equinox")
     eager = pztrain.build_train_step(xor_loss, jit=False)
@@ -108,6 +122,7 @@ def test_jit_false_matches_jit():
     np.testing.assert_allclose(aux_a["loss"], aux_b["loss"], rtol=1e-5)
 
 
+@pytest.mark.slow  # compiles its own steps
 def test_compute_grads_matches_apply_gradients_path():
     state = _state("penzai_v1")
     train_step = pztrain.build_train_step(xor_loss, donate=False)
@@ -122,6 +137,7 @@ def test_compute_grads_matches_apply_gradients_path():
         )
 
 
+@pytest.mark.slow  # compiles its own steps
 def test_donation_consumes_the_old_state_with_a_clear_error():
     model = equinox_mlp()
     state = TrainState.initial_state(model, optax.adam(0.01), jax.random.key(0))
@@ -296,6 +312,7 @@ def test_shardings_are_passed_to_jit():
 # ------------------------------------------------------------ one hot path
 
 
+@pytest.mark.slow  # compiles its own steps
 def test_accumulate_calls_equal_single_calls_and_sum_their_metrics():
     step = pztrain.build_train_step(_rng_loss)
     a = _state("equinox").replace(loss_fn_state=jnp.array(0))
@@ -315,6 +332,7 @@ def test_accumulate_calls_equal_single_calls_and_sum_their_metrics():
     assert summary.means["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
 
 
+@pytest.mark.slow  # compiles its own steps
 def test_call_accumulate_and_grads_share_one_program_cache():
     traces = []
 
@@ -344,6 +362,7 @@ def test_a_batch_is_keyword_arrays_or_one_positional_batch():
         step(state, {"x": XOR_X}, y=XOR_Y)
 
 
+@pytest.mark.slow  # compiles its own steps
 def test_scalar_batch_arguments_reach_the_loss_function():
     def scaled(*, model, state, rng, x, y, scale):
         loss, state, aux = xor_loss(model=model, state=state, rng=rng, x=x, y=y)
@@ -363,8 +382,8 @@ def test_scalar_batch_arguments_reach_the_loss_function():
     "make_key",
     [
         lambda: jax.random.key(3),
-        lambda: jax.random.key(3, impl="rbg"),
-        lambda: jax.random.PRNGKey(3),
+        pytest.param(lambda: jax.random.key(3, impl="rbg"), marks=pytest.mark.slow),
+        pytest.param(lambda: jax.random.PRNGKey(3), marks=pytest.mark.slow),
     ],
     ids=["threefry", "rbg", "legacy"],
 )
@@ -414,6 +433,7 @@ def test_bfloat16_arrays_are_params():
     np.testing.assert_array_equal(state.params["w"], np.full((2, 2), 0.5))
 
 
+@pytest.mark.slow  # compiles its own steps
 def test_python_numbers_in_a_batch_work_with_and_without_jit():
     def scaled(*, model, state, rng, x, y, scale):
         loss, state, aux = xor_loss(model=model, state=state, rng=rng, x=x, y=y)
