@@ -504,6 +504,7 @@ def test_nan_policy_skip_needs_apply_if_finite():
         NanPolicy("ignore")
 
 
+@pytest.mark.slow  # a run over NaN batches (test_checkpoint_policy keeps one fast)
 def test_nan_policy_skip_keeps_params_finite_and_logs_skips():
     state, history = run(
         new_state(nan_from=7, opt=OPT_SKIP),

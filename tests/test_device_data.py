@@ -43,7 +43,7 @@ def test_device_epoch_matches_host_batches():
             np.testing.assert_array_equal(got["x"], want["x"])
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_fit_on_device_equals_fit_on_host(k):
     step = pztrain.build_train_step(_loss, steps_per_call=k)
     runs = []
@@ -91,6 +91,7 @@ def test_fit_on_device_continues_from_a_state_a_callback_returns():
     assert int(state.step) == 1008
 
 
+@pytest.mark.slow  # three runs
 def test_resume_mid_epoch_on_device_sees_the_same_batches():
     step = pztrain.build_train_step(_loss)
     loader = pztrain.ArrayLoader(_data(), 8, seed=2, on_device=True)

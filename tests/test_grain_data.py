@@ -92,6 +92,7 @@ def test_without_shuffle_the_order_is_the_datasets():
     assert loader.example_ids(6) == list(range(8, 16))  # epoch 1, batch 1
 
 
+@pytest.mark.slow  # grain shuffles the rows of each process, epoch after epoch
 @pytest.mark.parametrize("count", [2, 4])
 def test_process_rows_make_the_same_global_batch(count):
     whole = GrainLoader(examples(), 8, seed=1)
@@ -270,6 +271,7 @@ def _same_params(a, b):
         np.testing.assert_array_equal(a.params[name], b.params[name], err_msg=name)
 
 
+@pytest.mark.slow  # three runs
 def test_fit_on_grain_matches_fit_on_arrays_in_the_same_order():
     a, _ = _fit(GrainLoader(examples(), 8, shuffle=False), 12)
     b, _ = _fit(ArrayLoader(arrays(), 8, shuffle=False), 12)
@@ -278,6 +280,7 @@ def test_fit_on_grain_matches_fit_on_arrays_in_the_same_order():
     _same_params(a, c)
 
 
+@pytest.mark.slow  # three runs
 def test_fit_resumes_a_grain_loader_exactly(tmp_path):
     loader = GrainLoader(examples(), 8, seed=9)
     full, _ = _fit(loader, 14)
@@ -295,6 +298,7 @@ def sequential(seed: int = 1) -> grain.IterDataset:
     return ds.batch(8, drop_remainder=True)
 
 
+@pytest.mark.slow  # three runs
 @pytest.mark.parametrize("k", [1, 2])
 def test_an_iter_dataset_resumes_exactly_from_its_checkpointed_state(tmp_path, k):
     step = pztrain.build_train_step(loss_fn, steps_per_call=k)
@@ -317,6 +321,7 @@ def test_an_iter_dataset_resumes_exactly_from_its_checkpointed_state(tmp_path, k
     _same_params(resumed, full)
 
 
+@pytest.mark.slow  # three runs
 def test_a_data_loader_resumes_exactly(tmp_path):
     def loader():
         return grain.DataLoader(

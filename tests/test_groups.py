@@ -166,6 +166,7 @@ def test_frozen_params_do_not_change_and_hold_no_optimizer_state():
         assert same == (name in frozen_names), name
 
 
+@pytest.mark.slow  # adamw's update op by op
 def test_weight_decay_mask_spares_biases_and_norms():
     tx = optax.adamw(0.1, weight_decay=0.5, mask=groups.weight_decay_mask())
     params = {

@@ -82,6 +82,7 @@ def lin_fit(state, **kw):
 # ---------------------------------------------------------------- Flax
 
 
+@pytest.mark.slow  # a run with evaluations: compiles
 def test_batch_stats_through_the_loss_function_state():
     state = flax_state(loss_fn_state=VARIABLES["batch_stats"])
     data = ArrayLoader({"x": X, "y": Y}, batch_size=8, seed=0)
@@ -214,6 +215,7 @@ def build_mlp(hidden, seed=0):
     return penzai_v2_mlp(seed=seed, hidden=hidden)
 
 
+@pytest.mark.slow  # a run with a checkpoint, then two rebuilds
 def test_load_from_checkpoint_rebuilds_from_stored_hparams(tmp_path):
     state = TrainState.initial_state(build_mlp(8), optax.adam(0.05), jax.random.key(1))
     data = ArrayLoader({"x": X[:, :2], "y": (Y > 0).astype(np.int32)}, batch_size=4)

@@ -230,6 +230,7 @@ class Counter(Callback):
         self.count = saved["count"]
 
 
+@pytest.mark.slow  # a run and its resume
 def test_callback_state_dicts_travel_with_checkpoints(tmp_path):
     def run(num_steps, counter, resume):
         pztrain.fit(

@@ -124,6 +124,7 @@ def test_live_plot_draws_from_the_records_alone():
     assert list(evals.get_ydata()) == history.series("loss", "eval")[1]
 
 
+@pytest.mark.slow  # a run with evaluations, drawn
 def test_live_plot_draws_an_eval_metric_from_the_first_eval():
     live = LivePlot(names=["eval/acc", "loss"])
     _, history = run(
@@ -217,6 +218,7 @@ def test_csv_logger_grows_its_columns(tmp_path):
         CSVLogger(tmp_path)
 
 
+@pytest.mark.slow  # imports mlflow and writes a file store
 def test_mlflow_logger_writes_a_run_mlflow_reads_back(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
@@ -289,6 +291,7 @@ def test_profile_traces_the_steps_asked_for(tmp_path):
         Profile(0, 0, tmp_path)
 
 
+@pytest.mark.slow  # imports wandb and writes an offline run
 def test_wandb_logger_offline_writes_a_run_file(tmp_path, monkeypatch):
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / var.lower()))

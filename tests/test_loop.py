@@ -205,6 +205,7 @@ def test_prefetch_off_gives_the_same_run():
     assert [r["metrics"] for r in h_a.records] == [r["metrics"] for r in h_b.records]
 
 
+@pytest.mark.slow  # steps_per_call=2: a step of its own to compile
 def test_steps_per_call_fuses_k_steps():
     ld = loader()
     rec = Recorder()
@@ -223,6 +224,7 @@ def test_steps_per_call_fuses_k_steps():
         assert rec_["metrics"]["counter"] == np.mean(range(lo, lo + 4))
 
 
+@pytest.mark.slow  # steps_per_call=2: a step of its own to compile
 def test_steps_per_call_bar_advances_by_k(monkeypatch):
     bars = []
 
@@ -334,7 +336,10 @@ def _without_time(history):
     ]
 
 
-@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize(
+    "on_device",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # fast: one
+)
 def test_log_points_read_late_give_the_records_a_waiting_loop_gives(on_device):
     def go(callbacks):
         data = loader(on_device=on_device, drop_remainder=True)
@@ -362,6 +367,7 @@ def test_log_points_read_late_give_the_records_a_waiting_loop_gives(on_device):
     assert_same_params(late_state, waiting_state)
 
 
+@pytest.mark.slow  # a run whose accumulate is wrapped: compiles
 def test_log_points_do_not_wait_for_the_device_unless_a_callback_reads_them():
     class Dispatches:
         """Counts the steps handed to the device; loggers see the count."""
@@ -655,7 +661,15 @@ class ReadsDevice(Callback):
 
 
 @pytest.mark.parametrize("level", ["disallow", "disallow_explicit"])
-@pytest.mark.parametrize("source", ["loader", "list", "on_device"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "loader",
+        # 2 steps per call: a step of their own to compile
+        pytest.param("list", marks=pytest.mark.slow),
+        pytest.param("on_device", marks=pytest.mark.slow),
+    ],
+)
 def test_fit_makes_no_device_to_host_read_between_log_points(
     d2h_guard, tmp_path, level, source
 ):

@@ -103,6 +103,7 @@ def transformer_state():
     return pztrain.TrainState.initial_state(model, optax.adam(1e-3), jax.random.key(0))
 
 
+@pytest.mark.slow  # builds a penzai transformer (the module's fixture)
 def test_a_penzai_transformers_summary_names_its_constants(transformer_state):
     summary = transformer_state.summary()
     kinds = {row.name.rsplit("/", 1)[-1]: row.kind for row in summary.rows}
@@ -114,6 +115,7 @@ def test_a_penzai_transformers_summary_names_its_constants(transformer_state):
     assert "frozen" not in str(summary).split("\n", 1)[1]
 
 
+@pytest.mark.slow  # builds a penzai transformer (the module's fixture)
 def test_a_penzai_transformers_summary_fits_100_columns(transformer_state):
     text = str(transformer_state.summary())
     widths = [len(line) for line in text.splitlines()]
@@ -169,6 +171,7 @@ def _mlp_state(optimizer):
     return pztrain.TrainState.initial_state(model, optimizer, jax.random.key(0))
 
 
+@pytest.mark.slow  # renders three states (test_summary's treescope tests stay fast)
 @pytest.mark.parametrize(
     "optimizer",
     [
@@ -232,6 +235,7 @@ def test_the_progress_bar_stays_within_the_width_when_writing_to_a_file(
     assert untrimmed > columns - 1  # so the width was what kept it short
 
 
+@pytest.mark.slow  # sleeps 1 s
 def test_the_progress_bars_rate_starts_after_the_compile():
     tqdm = pytest.importorskip("tqdm")
     out = io.StringIO()

@@ -156,6 +156,7 @@ def test_the_partial_record_holds_the_steps_since_the_last_log_point():
     )
 
 
+@pytest.mark.slow  # a run stopped during its first compile
 @pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
 def test_a_signal_during_the_first_compile_stops_after_the_first_call(on_device):
     traced = []
@@ -180,6 +181,7 @@ def test_a_signal_during_the_first_compile_stops_after_the_first_call(on_device)
     assert [r["step"] for r in history.records] == [1]
 
 
+@pytest.mark.slow  # an interrupted run and its resume
 @pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
 def test_interrupted_with_checkpoints_saves_the_step_and_resumes(tmp_path, on_device):
     data = loader(on_device=on_device)
@@ -220,6 +222,7 @@ def test_interrupted_with_checkpoints_saves_the_step_and_resumes(tmp_path, on_de
     assert_same_state(state, whole)
 
 
+@pytest.mark.slow  # a run with checkpoints, interrupted twice
 def test_a_second_sigint_raises_at_once_and_the_disk_stays_valid(tmp_path):
     whole, _ = reference(16, log_every=2)
     ckpt = Checkpoints(tmp_path, every_steps=4)
@@ -241,6 +244,7 @@ def test_a_second_sigint_raises_at_once_and_the_disk_stays_valid(tmp_path):
     assert_same_state(state, whole)
 
 
+@pytest.mark.slow  # a run with checkpoints, interrupted twice
 def test_a_second_sigint_during_the_stop_save_leaves_the_older_checkpoints(
     tmp_path, monkeypatch
 ):
@@ -412,6 +416,7 @@ def test_accumulate_skips_the_calls_after_a_stop_request():
 # ----------------------------------------------------------------- preemption
 
 
+@pytest.mark.slow  # three runs with evaluations
 def test_sigterm_preempts_saves_synchronously_and_resumes_exactly(tmp_path, capsys):
     opts = dict(
         num_steps=24, log_every=4, eval_step=EVAL, eval_data=EVAL_DATA, eval_every=8

@@ -57,6 +57,7 @@ class SigintAt(Callback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
+@pytest.mark.slow  # a run, an interrupted run and its resume, on grain data
 @pytest.mark.parametrize("data", [sequential, random_access])
 def test_an_interrupt_on_grain_data_resumes_bitwise(tmp_path, data):
     opts = dict(num_steps=20, log_every=2, progress=False)
