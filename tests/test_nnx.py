@@ -101,6 +101,7 @@ def test_state_model_is_an_nnx_module_with_current_params_and_state():
 # the step against Flax's functional pattern by hand
 
 
+@pytest.mark.slow  # 20 steps, compiled, and a hand-written loop, op by op
 def test_twenty_steps_equal_a_hand_written_functional_nnx_loop():
     batches = [batch(seed) for seed in range(20)]
     tx = optax.adam(1e-2)
@@ -141,6 +142,7 @@ def _mask_loss(*, model, state, rng, x):
     return jnp.mean(out), state, {"mask": out != 0}
 
 
+@pytest.mark.slow  # compiles NNX steps (test_state_model_is_an_nnx_... stays fast)
 def test_dropout_masks_change_per_step_and_repeat_for_the_same_step():
     step = pztrain.build_train_step(_mask_loss, donate=False)
     state = _mask_state()
@@ -163,6 +165,7 @@ def test_dropout_masks_change_per_step_and_repeat_for_the_same_step():
     np.testing.assert_array_equal(a["mask"], b["mask"])
 
 
+@pytest.mark.slow  # compiles NNX steps (test_state_model_is_an_nnx_... stays fast)
 def test_streams_are_reseeded_from_the_documented_step_key():
     step = pztrain.build_train_step(_mask_loss, donate=False)
     state = _mask_state()
@@ -178,6 +181,7 @@ def test_streams_are_reseeded_from_the_documented_step_key():
     np.testing.assert_array_equal(module.drop(jnp.ones(64)) != 0, aux["mask"])
 
 
+@pytest.mark.slow  # compiles NNX steps (test_state_model_is_an_nnx_... stays fast)
 def test_several_streams_of_one_tag_draw_different_masks():
     class Two(nnx.Module):
         def __init__(self, rngs):
@@ -194,6 +198,7 @@ def test_several_streams_of_one_tag_draw_different_masks():
     assert not (np.asarray(aux["a"]) == np.asarray(aux["b"])).all()
 
 
+@pytest.mark.slow  # compiles NNX steps (test_state_model_is_an_nnx_... stays fast)
 def test_the_step_compiles_once_with_state_updates():
     traces = []
 
@@ -208,6 +213,7 @@ def test_the_step_compiles_once_with_state_updates():
     assert len(traces) == 1
 
 
+@pytest.mark.slow  # compiles NNX steps (test_state_model_is_an_nnx_... stays fast)
 def test_micro_batches_update_batch_statistics_in_order():
     class BN(nnx.Module):
         def __init__(self, rngs):
@@ -232,6 +238,7 @@ def test_micro_batches_update_batch_statistics_in_order():
     np.testing.assert_allclose(own["bn/var"], by_hand.bn.var[...], atol=1e-6)
 
 
+@pytest.mark.slow  # compiles NNX steps (test_state_model_is_an_nnx_... stays fast)
 def test_fused_steps_equal_single_steps():
     b = batch()
     single = _state()
@@ -257,6 +264,7 @@ def _eval_out(*, model, state, rng, x):
     return {"out": model(x)}
 
 
+@pytest.mark.slow  # compiles NNX steps (test_state_model_is_an_nnx_... stays fast)
 def test_eval_runs_in_eval_mode_and_keeps_no_state_updates():
     state = _state()
     state, _ = pztrain.build_train_step(loss_fn)(state, **batch())
@@ -278,6 +286,7 @@ def test_eval_runs_in_eval_mode_and_keeps_no_state_updates():
     assert not np.allclose(mc(state, x=x)["out"], a)
 
 
+@pytest.mark.slow  # compiles NNX steps (test_state_model_is_an_nnx_... stays fast)
 def test_mode_none_leaves_a_model_that_manages_its_modes_as_built():
     model = mlp()
     model.eval()  # built for inference: running averages, no dropout
@@ -294,6 +303,7 @@ def test_mode_none_leaves_a_model_that_manages_its_modes_as_built():
     )
 
 
+@pytest.mark.slow  # compiles NNX steps (test_state_model_is_an_nnx_... stays fast)
 def test_train_in_eval_mode_freezes_batch_statistics():
     state = _state()
     before = model_state(state.model_without_params)["bn/var"]
@@ -328,6 +338,7 @@ def test_train_state_holds_params_and_batch_stats_apart():
     assert len(jax.tree.leaves(state)) == 4
 
 
+@pytest.mark.slow  # compiles NNX steps (test_state_model_is_an_nnx_... stays fast)
 def test_train_state_methods_with_a_module_that_takes_train():
     class Foo(nnx.Module):
         def __init__(self, *, rngs):
@@ -361,6 +372,7 @@ def test_train_state_methods_with_a_module_that_takes_train():
 # trainable filter and summary
 
 
+@pytest.mark.slow  # compiles NNX steps (test_state_model_is_an_nnx_... stays fast)
 def test_a_trainable_filter_leaves_other_params_frozen_in_the_model():
     state = _state(trainable="^l2/")
     assert sorted(state.params) == ["l2/bias", "l2/kernel"]
@@ -579,6 +591,7 @@ def test_pztrain_does_not_import_flax_for_other_models():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.slow  # compiles NNX steps (test_state_model_is_an_nnx_... stays fast)
 def test_mixed_precision_keeps_batch_statistics_updated_in_float32():
     loss = pztrain.mixed_precision(loss_fn, "params=float32,compute=bfloat16")
     state = _state()
@@ -590,6 +603,7 @@ def test_mixed_precision_keeps_batch_statistics_updated_in_float32():
     assert aux["loss"].dtype == jnp.float32
 
 
+@pytest.mark.slow  # compiles NNX steps (test_state_model_is_an_nnx_... stays fast)
 def test_a_legacy_root_key_reseeds_the_streams_too():
     state = pztrain.TrainState.initial_state(
         mlp(), optax.sgd(0.0), jax.random.PRNGKey(0)

@@ -19,6 +19,10 @@ import pztrain
 from pztrain.partition import annotated_specs
 from pztrain.sharding import ShardingError, ShardingRules, param_specs
 
+# An NNX model made on a mesh per test: seconds. The fast subset keeps the
+# doctest of annotated_specs.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
