@@ -44,6 +44,7 @@ def _trial(state0, step, lr):
     return np.asarray(state.params["w"]), history.last("train")["metrics"]["loss"]
 
 
+@pytest.mark.slow  # three runs
 def test_one_state0_starts_every_trial_of_fit():
     state0 = _state0()
     step = pztrain.build_train_step(_loss_fn)

@@ -289,6 +289,7 @@ def test_one_shot_generator_runs_out():
     assert int(state.step) == 3 and history.stop_reason is None
 
 
+@pytest.mark.slow  # steps_per_call=2: a step of its own to compile
 def test_iterable_with_steps_per_call_stacks_and_drops_the_rest():
     state, _ = run(step=STEP2, data=_batches(5), num_epochs=2, log_every=2)
     assert int(state.step) == 8  # 2 calls of 2 steps per pass; the 5th is dropped

@@ -472,6 +472,7 @@ def test_preempt_on_other_signals(tmp_path):
     assert look.sigterm == signal.SIG_DFL
 
 
+@pytest.mark.slow  # an interrupted run and its resume
 def test_a_signal_during_an_evaluation_cuts_it_short_and_resume_does_it(tmp_path):
     opts = dict(
         num_steps=16,
