@@ -9,12 +9,20 @@ the flags: a hit is the same program.
 
 import getpass
 import os
+import signal
 import tempfile
 from pathlib import Path
 
 import jax
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# A run started in the background of a non-interactive shell (``pytest &``)
+# inherits SIGINT ignored, and fit then leaves it alone (as it should): the stop
+# tests, which send SIGINT to themselves, need Python's own handler, as an
+# interactive run has.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _cache = os.environ.get(
     "PZTRAIN_JAX_CACHE",

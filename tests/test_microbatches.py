@@ -70,6 +70,7 @@ def test_microbatches_equal_the_full_batch_step_and_combine_aux():
     np.testing.assert_allclose(aux_b["mse"], jnp.mean(aux_b["err"]), atol=ATOL)
 
 
+@pytest.mark.slow  # compiles steps of its own (seconds)
 def test_microbatches_equal_multisteps_over_the_strided_microbatches():
     x, y = _data(1)
     micro = build_train_step(mean_loss, microbatches=M)
@@ -110,6 +111,7 @@ def test_microbatch_keys_and_loss_fn_state_thread_in_order():
     assert int(state.loss_fn_state) == 3 * M
 
 
+@pytest.mark.slow  # compiles steps of its own (seconds)
 def test_steps_per_call_with_microbatches_equals_separate_calls():
     (x0, y0), (x1, y1) = _data(3), _data(4)
     fused = build_train_step(mean_loss, steps_per_call=2, microbatches=2)
@@ -133,6 +135,7 @@ def test_compute_grads_averages_over_microbatches():
     assert int(four.aux["count"]) == B
 
 
+@pytest.mark.slow  # compiles steps of its own (seconds)
 def test_fit_with_microbatches_logs_the_averaged_loss():
     x, y = _data(6, n=4 * B)
     runs = {}
@@ -211,6 +214,7 @@ def test_penzai_state_variables_are_threaded_through_microbatches():
     assert [int(v.value) for v in state_vars] == [2 * M]
 
 
+@pytest.mark.slow  # compiles steps of its own (seconds)
 def test_scalar_batch_leaves_go_whole_to_every_microbatch_also_without_jit():
     def scaled(*, model, state, rng, x, y, scale):
         loss, state, _ = mean_loss(model=model, state=state, rng=rng, x=x, y=y)

@@ -46,6 +46,7 @@ def batch(n=BATCH):
     }
 
 
+@pytest.mark.slow  # compiles steps of its own (seconds)
 def test_a_dense_step_costs_about_six_flops_per_param_and_example():
     state, step = mlp_state(), pztrain.build_train_step(loss_fn)
     cost = step.cost(state, **batch())
@@ -73,6 +74,7 @@ def test_memory_per_device_counts_the_state_and_the_batch():
     assert re.fullmatch(r"[\d.]+ \w?i?B per device \(arguments .*\)", str(memory))
 
 
+@pytest.mark.slow  # compiles steps of its own (seconds)
 def test_fit_records_carry_flops_and_mfu():
     state, step = mlp_state(), pztrain.build_train_step(loss_fn)
     data = [batch()] * 4
@@ -90,6 +92,7 @@ def test_fit_records_carry_flops_and_mfu():
     assert "mfu" not in without.last()  # a CPU's peak is unknown
 
 
+@pytest.mark.slow  # compiles steps of its own (seconds)
 def test_a_run_that_cannot_fit_is_refused_before_the_first_step(monkeypatch):
     state, step = mlp_state(), pztrain.build_train_step(loss_fn)
     monkeypatch.setattr(_resources, "_capacity", lambda device: 4096)
@@ -101,6 +104,7 @@ def test_a_run_that_cannot_fit_is_refused_before_the_first_step(monkeypatch):
     assert int(state.step) == 2
 
 
+@pytest.mark.slow  # compiles steps of its own (seconds)
 def test_a_cpu_says_once_at_debug_level_that_memory_is_not_checked(monkeypatch, caplog):
     monkeypatch.setattr(_resources, "_said_no_memory", False)
     caplog.set_level(logging.DEBUG, logger="pztrain")
