@@ -37,3 +37,15 @@ if _cache not in ("", "0"):
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+
+# Doctests that import a heavy library (seconds each) leave the fast subset.
+_SLOW_DOCTESTS = ("pztrain.loggers.MLflowLogger", "pztrain.loggers.WandbLogger")
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        if item.name in _SLOW_DOCTESTS:
+            item.add_marker(pytest.mark.slow)

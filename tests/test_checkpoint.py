@@ -151,6 +151,7 @@ class MyState(TrainState):
     note: int
 
 
+@pytest.mark.slow  # a second or more (compiles, imports)
 def test_full_state_round_trip_keeps_exact_types(tmp_path):
     tx = optax.chain(
         optax.clip_by_global_norm(1.0),

@@ -80,6 +80,7 @@ def test_labels_of_a_flax_style_params_pytree_keep_its_structure():
     assert groups.labels(dict_mlp_params(), RULES, default="body") == expected
 
 
+@pytest.mark.slow  # a second or more (compiles, imports)
 def test_labels_of_an_nnx_model():
     nnx_models = pytest.importorskip("nnx_models")
     model = nnx_models.mlp()

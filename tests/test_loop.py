@@ -312,6 +312,7 @@ def test_iterable_batches_must_keep_their_keys():
 # ---------------------------------------------------------------- logging
 
 
+@pytest.mark.slow  # a second or more (compiles, imports)
 def test_injected_learning_rate_is_logged():
     state, history = run(new_state(OPT_LR), num_steps=6, log_every=2)
     steps, lrs = history.series("learning_rate")

@@ -94,6 +94,7 @@ def keyed_loss(*, model, state, rng, x, y):
     return loss, state + 1, rows
 
 
+@pytest.mark.slow  # a second or more (compiles, imports)
 def test_microbatch_keys_and_loss_fn_state_thread_in_order():
     x, y = _data(2)
     step = build_train_step(keyed_loss, microbatches=M)
@@ -186,6 +187,7 @@ class CountCalls(pz.nn.Layer):
         return x
 
 
+@pytest.mark.slow  # a second or more (compiles, imports)
 def test_penzai_state_variables_are_threaded_through_microbatches():
     model = pz.nn.Sequential(
         [

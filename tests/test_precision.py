@@ -188,6 +188,7 @@ def test_policy_runs_penzai_and_equinox_models(family):
         assert float(jnp.abs(rm.mean.value).sum()) > 0
 
 
+@pytest.mark.slow  # a second or more (compiles, imports)
 def test_cast_to_param_keeps_penzai_sharing_and_leaves_ints_and_keys():
     shared = pz.Parameter(value=jnp.ones(2), label="w")
     tree = {

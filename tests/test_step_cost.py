@@ -59,6 +59,7 @@ def test_a_dense_step_costs_about_six_flops_per_param_and_example():
     assert step.cost(state, **batch(64)).flops < cost.flops
 
 
+@pytest.mark.slow  # a second or more (compiles, imports)
 def test_memory_per_device_counts_the_state_and_the_batch():
     state, step = mlp_state(), pztrain.build_train_step(loss_fn)
     memory = step.memory(state, **batch())

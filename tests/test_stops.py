@@ -662,6 +662,7 @@ def test_a_second_run_in_the_same_directory_is_refused(tmp_path):
     )
 
 
+@pytest.mark.slow  # a second or more (compiles, imports)
 def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path):
     import subprocess
     import sys

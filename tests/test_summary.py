@@ -190,6 +190,7 @@ class _CountCalls(pz.nn.Layer):
         return x
 
 
+@pytest.mark.slow  # a second or more (compiles, imports)
 def test_penzai_frozen_params_and_state_variables():
     model = pz.nn.Sequential(
         [
@@ -383,6 +384,7 @@ def test_penzai_v1_frozen_params_are_named_by_parameter_name():
     }
 
 
+@pytest.mark.slow  # a second or more (compiles, imports)
 def test_flax_style_state_lists_its_params_pytree():
     state = TrainState.create(
         apply_fn=dict_mlp_apply, params=dict_mlp_params(hidden=4), tx=optax.sgd(0.1)

@@ -96,6 +96,7 @@ def test_apply_gradients_positional_and_keyword():
     assert int(a.step) == int(b.step) == 1
 
 
+@pytest.mark.slow  # a second or more (compiles, imports)
 def test_flax_style_seed_train_step_runs_with_only_the_import_changed():
     softmax_ce = optax.softmax_cross_entropy
 
