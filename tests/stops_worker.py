@@ -8,8 +8,9 @@ mesh-aware `ArrayLoader` (each process feeds its rows), `Checkpoints` every 8
 steps in ``RUN_DIR/ckpt`` with ``resume=True``, a JSONL log in ``RUN_DIR/log``,
 an evaluation every 8 steps. ``SIGNAL`` is ``NAME@STEP@PROCESS`` (e.g.
 ``SIGTERM@8@1``): that process sends itself the signal at the log point of
-that step, and every process then sleeps a little at each log point, so that
-the run outlasts JAX's preemption notice (polled once a second).
+that step, and from that step on every process sleeps a second at each log
+point, so that the run outlasts JAX's preemption notice (polled once a second,
+later on a loaded machine) by many log points.
 
 At the end, process 0 writes the gathered params and optimizer state to
 ``RUN_DIR/final.npz``; every process writes ``RUN_DIR/out-<id>.json``: its
@@ -38,15 +39,18 @@ import pztrain
 
 class SignalAt(pztrain.Callback):
     """Sends ``sig`` to this process at the log point of ``step`` (if
-    ``mine``); every process sleeps ``pause`` seconds at each log point."""
+    ``mine``); from that step on, every process sleeps ``pause`` seconds at
+    each log point (a stop comes at the first call after the notice, so the
+    sleep lasts only as long as the notice takes)."""
 
-    def __init__(self, sig: int, step: int, mine: bool, pause: float = 0.25):
+    def __init__(self, sig: int, step: int, mine: bool, pause: float = 1.0):
         self.sig, self.step, self.mine, self.pause = sig, step, mine, pause
 
     def on_log(self, state, record):
         if self.mine and record["step"] == self.step:
             os.kill(os.getpid(), self.sig)
-        time.sleep(self.pause)
+        if record["step"] >= self.step:
+            time.sleep(self.pause)
 
 
 class LockSeen(pztrain.Callback):
