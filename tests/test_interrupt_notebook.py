@@ -69,7 +69,7 @@ assert int(state.step) == start + 30
 assert signal.getsignal(signal.SIGINT) is handler_before
 """
 
-SLEEP = "import time\ntime.sleep(120)"
+SLEEP = "import time\nprint('sleeping', flush=True)\ntime.sleep(120)"
 
 
 @pytest.fixture
@@ -127,8 +127,7 @@ def test_interrupting_a_running_fit_keeps_the_state(tmp_path, kernel_env):
             await running
             await client.async_execute_cell(cells[2], 2)
             sleeping = asyncio.ensure_future(client.async_execute_cell(cells[3], 3))
-            await asyncio.sleep(2)
-            await client.km.interrupt_kernel()
+            await _interrupt_when(client, cells[3], "sleeping")
             await sleeping
 
     asyncio.run(session())
