@@ -1,6 +1,6 @@
 """The pieces `Checkpoints` is wired from, each alone: which checkpoints to keep
 (`Retention`), which host points to save at (`SavePoints`), and the background
-writer (`Writer`)."""
+writer (`Writer`); and the store they make up (`CheckpointStore`)."""
 
 from __future__ import annotations
 
@@ -178,3 +178,76 @@ def test_a_failed_save_is_named_and_raised_by_every_later_call(tmp_path, monkeyp
     writer.failed = None
     assert writer.steps() == [1]
     writer.close()
+
+
+# ------------------------------------------------------------- CheckpointStore
+
+
+def _state(value: float):
+    import jax
+    import optax
+
+    from pztrain import TrainState
+
+    state = TrainState.initial_state(
+        {"w": jnp.zeros(3)}, optax.sgd(0.1), jax.random.key(0)
+    )
+    return state.replace(params={"w": jnp.full(3, float(value))})
+
+
+def _store(directory, keep_last=1, keep_best=1, overwrite=False):
+    from pztrain.checkpoint._store import CheckpointStore
+
+    retention = Retention(keep_last=keep_last, keep_best=keep_best, monitor="loss")
+    return CheckpointStore(directory, retention, async_save=True, overwrite=overwrite)
+
+
+def test_store_writes_keeps_by_its_retention_and_reads_back(tmp_path):
+    store = _store(tmp_path / "run")
+    store.open()
+    for step, loss in [(1, 0.5), (2, 0.1), (3, 0.4), (4, 0.3)]:
+        store.write(step, _state(step), {}, {"loss": loss}, wait=False)
+    store.wait()  # the background saves finished, then the policy applied
+    assert store.steps() == [2, 4]  # the best (loss 0.1) and the newest
+    assert store.best_step() == 2
+    assert float(store.read(2, _state(0.0)).params["w"][0]) == 2.0
+    with pytest.raises(ValueError, match=r"holds no checkpoint of step 3; .* \[2, 4\]"):
+        store.read(3, _state(0.0))
+    store.close()
+
+
+def test_store_refuses_to_replace_a_step_unless_overwrite(tmp_path):
+    store = _store(tmp_path, keep_last=3, keep_best=0)
+    store.write(1, _state(1.0), {}, None, wait=True)
+    with pytest.raises(CheckpointError, match="1"):
+        store.write(1, _state(2.0), {}, None, wait=True)
+    store.close()
+    store = _store(tmp_path, keep_last=3, keep_best=0, overwrite=True)
+    store.write(1, _state(2.0), {}, None, wait=True)
+    assert float(store.read(1, _state(0.0)).params["w"][0]) == 2.0
+    store.close()
+
+
+def test_store_finds_the_newest_readable_and_its_metrics(tmp_path):
+    assert _store(tmp_path / "none").newest(_state(0.0)) is None  # no directory
+    store = _store(tmp_path, keep_last=3, keep_best=0)
+    store.write(1, _state(1.0), {"metrics": {"loss": 0.5}}, {"loss": 0.5}, wait=True)
+    store.write(2, _state(2.0), {"metrics": {"loss": 0.2}}, {"loss": 0.2}, wait=True)
+    store.close()
+    again = _store(tmp_path, keep_last=3, keep_best=0)
+    found = again.newest(_state(0.0))
+    assert found.step == 2 and float(found.state.params["w"][0]) == 2.0
+    assert again.metrics == {1: {"loss": 0.5}, 2: {"loss": 0.2}}
+    again.close()
+
+
+def test_store_holds_its_directory_from_open_to_close(tmp_path):
+    from pztrain import DirectoryInUseError
+
+    first, second = _store(tmp_path), _store(tmp_path)
+    first.open()
+    with pytest.raises(DirectoryInUseError):
+        second.open()
+    first.close()
+    second.open()  # free again
+    second.close()

@@ -4,6 +4,7 @@ A checkpoint is orbax arrays + JSON, written atomically; nothing is pickled and
 loading runs no code (the structure comes from a target built in code).
 
 * `pztrain.checkpoint._format`: params-only and full-state save and load;
+* `pztrain.checkpoint._safetensors`: params as a ``.safetensors`` file;
 * `pztrain.checkpoint._metadata`: the JSON, and the two errors;
 * `pztrain.checkpoint._integrity`: checksums of what is written and read;
 * `pztrain.checkpoint._orbax`: pztrain's orbax settings and atomic writes;
@@ -11,13 +12,12 @@ loading runs no code (the structure comes from a target built in code).
 * `pztrain.checkpoint._rebuild`: `load_from_checkpoint`;
 * `pztrain.checkpoint._directory`: a `Checkpoints` directory on disk;
 * `pztrain.checkpoint._lock`: one run per directory;
+* `pztrain.checkpoint._store`: the checkpoints of one directory (`CheckpointStore`);
 * `pztrain.checkpoint._callback`: the `Checkpoints` callback.
 """
 
 from pztrain.checkpoint._callback import Checkpoints
 from pztrain.checkpoint._format import (
-    export_safetensors,
-    import_safetensors,
     load_params,
     load_state,
     save_params,
@@ -30,6 +30,7 @@ from pztrain.checkpoint._metadata import (
     read_metadata,
 )
 from pztrain.checkpoint._rebuild import load_from_checkpoint
+from pztrain.checkpoint._safetensors import export_safetensors, import_safetensors
 
 __all__ = [
     "CheckpointError",

@@ -1,14 +1,13 @@
 """`Checkpoints`: periodic full-state checkpoints during `pztrain.fit`, and resume.
 
-The callback wires three pieces, each testable alone: `SavePoints` (which host points to
-save at), `Retention` (which checkpoints to keep) and `Writer` (orbax's background
-saves). The format on disk is `pztrain.checkpoint._format`'s; the directory's rules
-(writable, tidy, one readable checkpoint) are `pztrain.checkpoint._directory`'s.
+The callback decides when to save (`SavePoints`) and what a checkpoint carries besides
+the state: the metrics of its step, the run's hyperparameters and the other callbacks'
+``state_dict`` s. Writing, keeping (`Retention`) and reading back are its
+`CheckpointStore`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from collections.abc import Sequence
@@ -19,10 +18,8 @@ from pztrain._tree import all_finite
 from pztrain.callbacks import Callback
 from pztrain.checkpoint import _directory, _format
 from pztrain.checkpoint._due import SavePoints
-from pztrain.checkpoint._lock import locked
 from pztrain.checkpoint._retention import Retention
-from pztrain.checkpoint._targets import params_of
-from pztrain.checkpoint._writer import Writer
+from pztrain.checkpoint._store import CheckpointStore
 from pztrain.records import jsonable
 from pztrain.state import DonatedStateError, TrainState
 from pztrain.state._donation import check_alive
@@ -86,7 +83,7 @@ class Checkpoints(Callback):
         async_save: bool = True,
         overwrite: bool = False,
     ):
-        self.retention = Retention(keep_last, keep_best, monitor, mode)
+        retention = Retention(keep_last, keep_best, monitor, mode)
         if every_steps is not None and (
             isinstance(every_steps, bool)
             or not isinstance(every_steps, int)
@@ -96,21 +93,20 @@ class Checkpoints(Callback):
         self.directory = Path(directory).absolute()
         on_eval = keep_best > 0 if on_eval is None else on_eval
         self.points = SavePoints(every_steps, at_epoch_end, on_eval)
-        self.writer = Writer(self.directory, async_save)
-        self.overwrite = overwrite
+        self.store = CheckpointStore(self.directory, retention, async_save, overwrite)
         self._open = 0  # nesting depth of with-blocks (fit opens one)
-        self._lock = contextlib.ExitStack()  # the directory's, from prepare to close
         self._new_run()
 
     # The settings, as the arguments named them.
     every_steps = property(lambda self: self.points.every_steps)
     at_epoch_end = property(lambda self: self.points.at_epoch_end)
     on_eval = property(lambda self: self.points.on_eval)
-    keep_last = property(lambda self: self.retention.keep_last)
-    keep_best = property(lambda self: self.retention.keep_best)
-    monitor = property(lambda self: self.retention.monitor)
-    mode = property(lambda self: self.retention.mode)
-    async_save = property(lambda self: self.writer.async_save)
+    keep_last = property(lambda self: self.store.retention.keep_last)
+    keep_best = property(lambda self: self.store.retention.keep_best)
+    monitor = property(lambda self: self.store.retention.monitor)
+    mode = property(lambda self: self.store.retention.mode)
+    async_save = property(lambda self: self.store.writer.async_save)
+    overwrite = property(lambda self: self.store.overwrite)
 
     def _new_run(self) -> None:
         """Forgets what the previous run told it (`prepare` starts a run)."""
@@ -119,7 +115,6 @@ class Checkpoints(Callback):
         self._eval: tuple[int, dict[str, float]] | None = None  # (step, metrics)
         self._latest_metrics: dict[str, float] = {}
         self._hparams: dict[str, Any] = {}
-        self._metrics: dict[int, dict[str, float] | None] = {}  # by saved step
         self._stale: list[int] = []  # another run's steps, deleted at the start
         self._saves = self._ranked = 0  # saves this run, and those with monitor
         self._running = False  # between on_train_start and on_train_end
@@ -129,7 +124,7 @@ class Checkpoints(Callback):
     @property
     def manager(self) -> Any:
         """The orbax ``CheckpointManager`` (made on first use)."""
-        return self.writer.manager
+        return self.store.writer.manager
 
     def __enter__(self) -> Checkpoints:
         self._open += 1
@@ -141,17 +136,11 @@ class Checkpoints(Callback):
 
     def steps(self) -> list[int]:
         """The steps of the complete checkpoints on disk."""
-        return self.writer.steps()
+        return self.store.steps()
 
     def best_step(self) -> int | None:
         """The step of the best checkpoint by ``monitor`` (``None`` if unknown)."""
-        if not self.keep_best:
-            return None
-        best = self.retention.best(self._saved())
-        return best[0] if best else None
-
-    def _saved(self) -> dict[int, dict[str, float] | None]:
-        return {s: self._metrics.get(s) for s in self.steps()}
+        return self.store.best_step()
 
     # -- saving
 
@@ -189,18 +178,12 @@ class Checkpoints(Callback):
                 stacklevel=3,
             )
             return
-        self._make_room(step)
-        params = params_of(state)
         meta = self._metadata(state, metrics)
         if owed_eval is not None:
             meta["owed_eval"] = {"step": owed_eval[0], "epoch": owed_eval[1]}
-        args = _format.save_args(params, state, meta)
-        self._metrics[step] = metrics
         self._saves += 1
         self._ranked += metrics is not None and self.monitor in metrics
-        self.writer.save(step, args, wait=wait)
-        if wait:
-            self._tidy()
+        self.store.write(step, state, meta, metrics, wait=wait)
 
     def save_stopped(
         self, state: TrainState, step: int, owed_eval: tuple[int, int] | None = None
@@ -232,11 +215,6 @@ class Checkpoints(Callback):
             meta["metrics"] = metrics
         return meta
 
-    def _make_room(self, step: int) -> None:
-        """Refuses (or, with ``overwrite``, deletes) an existing checkpoint ``step``."""
-        if _directory.must_replace(self.directory, self.steps(), step, self.overwrite):
-            self.writer.delete([step])
-
     def _callback_states(self) -> dict[str, Any]:
         found = {}
         for i, cb in enumerate(self._callbacks):
@@ -251,24 +229,12 @@ class Checkpoints(Callback):
         Raises:
           CheckpointError: if a background save failed (naming its step).
         """
-        self.writer.wait()
-        self._tidy()
-
-    def _tidy(self) -> None:
-        """Deletes the complete checkpoints the retention policy lets go."""
-        if self.writer.failed is None and self._metrics:
-            self.writer.delete(self.retention.delete(self._saved()))
+        self.store.wait()
 
     def close(self) -> None:
         """Finishes pending saves and releases the manager (even if one failed)
         and the directory's lock."""
-        try:
-            self.wait()
-        finally:
-            try:
-                self.writer.close()
-            finally:
-                self._lock.close()
+        self.store.close()
 
     # -- the start of a run
 
@@ -288,13 +254,9 @@ class Checkpoints(Callback):
             checkpoints; `pztrain.CheckpointMismatchError` (see `restore_latest`).
           DirectoryInUseError: if another run holds the directory's lock.
         """
-        self.writer.failed = None
-        self.writer.wait()  # a save still pending from a run before (its error)
         self._new_run()
         self.continues_run = resume and self.directory.is_dir()  # maybe killed early
-        self._lock.close()
-        self._lock.enter_context(locked(self.directory))
-        _directory.check_writable(self.directory)
+        self.store.open()
         if resume:
             return self.restore_latest(state, callbacks) or state
         steps = self.steps()
@@ -330,15 +292,8 @@ class Checkpoints(Callback):
           CheckpointMismatchError: if a readable checkpoint's structure differs
             from ``like`` 's (another model or optimizer), naming the paths.
         """
-        if not self.directory.exists():
-            return None
-        _directory.warn_temporaries(self.directory)
-        found = _directory.newest_readable(self.directory, self.steps(), like)
-        if found.unreadable:
-            self.writer.close()  # the manager must not keep listing them
-            _directory.set_aside(self.directory, found.unreadable)
-        self._metrics = found.metrics
-        if found.state is None:
+        found = self.store.newest(like)
+        if found is None or found.state is None:
             return None
         self.points.saved(found.step)
         self.owed_eval = found.owed_eval
@@ -355,14 +310,7 @@ class Checkpoints(Callback):
           ValueError: if the directory holds no checkpoint of ``step``.
           CheckpointError: if it cannot be read (its message names the file).
         """
-        self.writer.wait()
-        steps = self.steps()
-        if step not in steps:
-            raise ValueError(
-                f"{self.directory} holds no checkpoint of step {step}; it holds "
-                f"steps {steps}."
-            )
-        return _format.load_state(self.directory / str(step), like)
+        return self.store.read(step, like)
 
     # -- callback hooks
 
@@ -383,11 +331,11 @@ class Checkpoints(Callback):
                 "(overwrite=True).",
                 stacklevel=2,
             )
-            self.writer.delete(self._stale)
+            self.store.delete(self._stale)
             self._stale = []
 
     def on_advance(self, step, t):
-        self.writer.confirm()  # a failed background save stops the run here
+        self.store.confirm()  # a failed background save stops the run here
         self.points.advanced(step)
 
     def on_log(self, state, record):
@@ -426,7 +374,7 @@ class Checkpoints(Callback):
         says so. Nothing is saved if the state was consumed, a save failed or
         the run did not start."""
         running, self._running = self._running, False
-        if self.writer.failed is not None or not running:
+        if self.store.failed is not None or not running:
             return
         try:
             state.check_not_donated("Checkpoints.on_train_end")

@@ -17,8 +17,9 @@ from pztrain.checkpoint._metadata import (
     describe_shape,
 )
 from pztrain.checkpoint._targets import param_target
+from pztrain.state import TrainState
 
-__all__ = ["stored_ema"]
+__all__ = ["stored_ema", "weights_to_save"]
 
 _FIELD = ".ema_params"
 
@@ -70,3 +71,16 @@ def _prefix(path: Path, paths: list[str]) -> str:
             "the params with ema=False."
         )
     return prefixes.pop()
+
+
+def weights_to_save(state_or_params: Any, ema: bool, where: str) -> Any:
+    """The state (or params) to save: with ``ema``, the state's EMA params
+    (``where`` names the caller in the error for a non-state)."""
+    if not ema:
+        return state_or_params
+    if not isinstance(state_or_params, TrainState):
+        raise TypeError(
+            f"{where}(..., ema=True) takes a TrainState (whose optimizer keeps "
+            f"an EMA: pztrain.with_ema); got {type(state_or_params).__name__}."
+        )
+    return state_or_params.using_ema()
