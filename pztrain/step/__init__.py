@@ -3,7 +3,9 @@
 `build_train_step` returns a `TrainStep`, callable as ``(state, **batch) -> (state,
 aux)``; `build_eval_step` an `EvalStep`.
 
-* `pztrain.step._build`: `build_train_step` and the `LossFunction` contract;
+* `pztrain.step._build`: `build_train_step`;
+* `pztrain.step._types`: the `LossFunction` contract, `OnDeviceBatches`, and the
+  ``Carry``, ``Inputs`` and `StepOutputs` a step's programs take and give;
 * `pztrain.step._train`: `TrainStep` (the host side: one hot path per call);
 * `pztrain.step._call_batch`: the batch of a call, on the step's mesh;
 * `pztrain.step._eval`: `EvalStep`;
@@ -21,7 +23,6 @@ aux)``; `build_eval_step` an `EvalStep`.
 from pztrain.step._build import LossFunction, build_train_step
 from pztrain.step._cost import StepCost, StepMemory
 from pztrain.step._eval import EvalFunction, EvalStep, build_eval_step
-from pztrain.step._fns import OnDeviceBatches, StepOutputs
 from pztrain.step._nonfinite import (
     NonFinite,
     explain_in_run,
@@ -29,6 +30,7 @@ from pztrain.step._nonfinite import (
     replay_to_first,
 )
 from pztrain.step._train import TrainStep
+from pztrain.step._types import OnDeviceBatches, StepOutputs
 
 __all__ = [
     "EvalFunction",

@@ -8,9 +8,9 @@ from jax.sharding import Mesh
 
 from pztrain.partition import MODES
 from pztrain.state import TrainState  # noqa: F401 - the docstring's example
-from pztrain.step._fns import LossFunction
 from pztrain.step._norms import checked_grad_norms
 from pztrain.step._train import TrainStep
+from pztrain.step._types import LossFunction
 
 __all__ = ["LossFunction", "build_train_step", "checked_mode"]
 

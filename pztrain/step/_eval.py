@@ -11,10 +11,10 @@ from pztrain.state._donation import raise_if_donated
 from pztrain.state._state import check_state
 from pztrain.step import _fns
 from pztrain.step._build import checked_mode
-from pztrain.step._fns import Static
 from pztrain.step._mesh import MeshLayout, mesh_of
 from pztrain.step._notes import note_inputs
 from pztrain.step._programs import OnMesh, Programs, args_of
+from pztrain.step._types import Static
 
 __all__ = ["EvalFunction", "EvalStep", "build_eval_step"]
 

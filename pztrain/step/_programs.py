@@ -14,8 +14,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pztrain.partition import split_rest
 from pztrain.sharding import ShardingError
 from pztrain.state import TrainState
-from pztrain.step._fns import Carry, Inputs, Static, key_data
 from pztrain.step._mesh import MeshLayout, spec_of
+from pztrain.step._types import Carry, Inputs, Static, key_data
 
 __all__ = ["Found", "OnMesh", "Programs", "TrainPrograms", "args_of", "flat_args"]
 

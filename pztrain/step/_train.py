@@ -1,7 +1,7 @@
 """Train and eval steps: pure functions of a `TrainState` and a batch.
 
 `build_train_step` returns a `TrainStep`, callable as ``(state, **batch) -> (state,
-aux)``. One call runs one jitted function (`pztrain._fns.train_fn`) on two
+aux)``. One call runs one jitted function (`pztrain.step._fns.train_fn`) on two
 named pytrees: a ``Carry`` (step, params, optimizer and loss-function states,
 optional metric sums), donated by name, and ``Inputs`` (key, the arrays of
 ``model_without_params``, batch). The model's static structure is split off
@@ -29,7 +29,6 @@ from pztrain.state._struct import after_step, replaced
 from pztrain.step import _fns
 from pztrain.step._call_batch import on_mesh, one_batch, two_batches
 from pztrain.step._cost import StepCost, StepMemory, cost_of
-from pztrain.step._fns import LossFunction, Static, StepOutputs
 from pztrain.step._mesh import NO_MESH, MeshLayout
 from pztrain.step._notes import note_inputs
 from pztrain.step._programs import (
@@ -40,6 +39,7 @@ from pztrain.step._programs import (
     args_of,
     flat_args,
 )
+from pztrain.step._types import LossFunction, Static, StepOutputs
 
 __all__ = ["FLAT_NAMES", "TrainStep"]
 
