@@ -142,7 +142,6 @@ ROOMS = [
     "pztrain.records",
     "pztrain._optax",
     "pztrain._table",
-    "pztrain._bar",
     "pztrain.ema",
     "pztrain.partition",
     "pztrain.groups",
