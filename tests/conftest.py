@@ -40,7 +40,10 @@ if _cache not in ("", "0"):
 
 
 # Doctests that import a heavy library (seconds each) leave the fast subset.
-_SLOW_DOCTESTS = ("pztrain.loggers.MLflowLogger", "pztrain.loggers.WandbLogger")
+_SLOW_DOCTESTS = (
+    "pztrain.loggers._tracking.MLflowLogger",
+    "pztrain.loggers._tracking.WandbLogger",
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,152 @@
+"""Loggers to experiment trackers, imported lazily: `MLflowLogger`, `WandbLogger`."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from pztrain.loggers._protocol import flat_hparams
+from pztrain.records import THROUGHPUT_KEYS, jsonable
+
+__all__ = ["MLflowLogger", "WandbLogger"]
+
+
+class MLflowLogger:
+    """Logs to an MLflow tracking store (optional extra ``mlflow``).
+
+    One MLflow run per `pztrain.fit`: hyperparameters as params (flattened, see
+    `flat_hparams`), metrics as ``<split>/<metric>`` at their step, the
+    throughput as ``time/steps_per_sec``, ``time/examples_per_sec`` … (see
+    `pztrain.records.THROUGHPUT_KEYS`). It
+    uses an ``MlflowClient`` of its own, not MLflow's global active run.
+
+    Args:
+      experiment: The experiment's name (created if missing).
+      run_name: The run's name (default: MLflow's).
+      tracking_uri: Where the store is, e.g. ``"sqlite:///mlflow.db"`` or a
+        server's URL (default: MLflow's, from ``MLFLOW_TRACKING_URI``).
+
+    Attributes:
+      run_id: The MLflow run's id.
+
+    Example:
+      >>> import tempfile, unittest.mock
+      >>> from mlflow.tracking import MlflowClient
+      >>> with (tempfile.TemporaryDirectory() as d,  # a local store, if allowed:
+      ...       unittest.mock.patch.dict(os.environ, MLFLOW_ALLOW_FILE_STORE="1")):
+      ...     uri = f"file://{d}/mlruns"
+      ...     log = MLflowLogger("demo", tracking_uri=uri)
+      ...     log.log_record({"step": 1, "split": "train", "metrics": {"loss": 0.5}})
+      ...     log.close()
+      ...     print(MlflowClient(uri).get_run(log.run_id).data.metrics)
+      {'train/loss': 0.5}
+    """
+
+    def __init__(
+        self,
+        experiment: str = "pztrain",
+        *,
+        run_name: str | None = None,
+        tracking_uri: str | None = None,
+    ):
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise ImportError(
+                "MLflowLogger needs mlflow: pip install 'pztrain[mlflow]'."
+            ) from None
+        self._client = MlflowClient(tracking_uri=tracking_uri)
+        found = self._client.get_experiment_by_name(experiment)
+        exp_id = (
+            found.experiment_id
+            if found is not None
+            else self._client.create_experiment(experiment)
+        )
+        self.run_id = self._client.create_run(exp_id, run_name=run_name).info.run_id
+
+    def log_hparams(self, hparams: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        params = [Param(k, str(v)) for k, v in flat_hparams(hparams).items()]
+        self._client.log_batch(self.run_id, params=params)
+
+    def log_record(self, record: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        values = {f"{record['split']}/{k}": v for k, v in record["metrics"].items()}
+        for key in THROUGHPUT_KEYS:
+            if key in record:
+                values[f"time/{key}"] = record[key]
+        ms, step = int(time.time() * 1000), record["step"]
+        metrics = [Metric(k, float(v), ms, step) for k, v in values.items()]
+        self._client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        self._client.set_terminated(self.run_id)
+
+
+class WandbLogger:
+    """Logs to Weights & Biases (optional extra ``wandb``), online or offline.
+
+    One W&B run per `pztrain.fit`, held by this logger (``reinit="create_new"``:
+    not W&B's global run): hyperparameters as the run's config, metrics as
+    ``<split>/<metric>`` at their step, the throughput as ``time/steps_per_sec``
+    and ``time/examples_per_sec``. ``mode="offline"`` writes the run under
+    ``dir`` for a later ``wandb sync``.
+
+    Args:
+      project: The W&B project.
+      name: The run's name (default: W&B's).
+      dir: The directory for W&B's files (default: W&B's, ``./wandb``).
+      mode: ``"online"``, ``"offline"`` or ``"disabled"`` (default: W&B's).
+      **init_kwargs: Passed to ``wandb.init`` (e.g. ``tags``, ``group``).
+
+    Attributes:
+      run: The ``wandb.Run``.
+
+    Example:
+      >>> log = WandbLogger("demo", mode="disabled")  # nothing written or sent
+      >>> log.log_hparams({"lr": 0.1})
+      >>> log.log_record({"step": 1, "split": "train", "metrics": {"loss": 0.5}})
+      >>> log.run.config["lr"], log.run.summary["train/loss"]
+      (0.1, 0.5)
+      >>> log.close()
+    """
+
+    def __init__(
+        self,
+        project: str = "pztrain",
+        *,
+        name: str | None = None,
+        dir: str | os.PathLike | None = None,
+        mode: str | None = None,
+        **init_kwargs: Any,
+    ):
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError(
+                "WandbLogger needs wandb: pip install 'pztrain[wandb]'."
+            ) from None
+        self.run = wandb.init(
+            project=project,
+            name=name,
+            dir=None if dir is None else str(dir),
+            mode=mode,
+            reinit="create_new",
+            **init_kwargs,
+        )
+
+    def log_hparams(self, hparams: dict[str, Any]) -> None:
+        self.run.config.update(jsonable(hparams))
+
+    def log_record(self, record: dict[str, Any]) -> None:
+        values = {f"{record['split']}/{k}": v for k, v in record["metrics"].items()}
+        for key in THROUGHPUT_KEYS:
+            if key in record:
+                values[f"time/{key}"] = record[key]
+        self.run.log(values, step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
