@@ -13,7 +13,8 @@ from pztrain.step import _fns
 from pztrain.step._build import checked_mode
 from pztrain.step._mesh import MeshLayout, mesh_of
 from pztrain.step._notes import note_inputs
-from pztrain.step._programs import OnMesh, Programs, args_of
+from pztrain.step._on_mesh import OnMesh
+from pztrain.step._programs import Programs, args_of
 from pztrain.step._types import Static
 
 __all__ = ["EvalFunction", "EvalStep", "build_eval_step"]

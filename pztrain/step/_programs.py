@@ -1,23 +1,44 @@
 """A step's compiled programs: built per (model structure, optimizer), looked
-up by identity on every call."""
+up by identity on every call; a train step's (`train_programs`): one step or a
+fused scan, plain ``jax.jit`` or `OnMesh`."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pztrain.partition import split_rest
-from pztrain.sharding import ShardingError
 from pztrain.state import TrainState
-from pztrain.step._mesh import MeshLayout, spec_of
+from pztrain.step import _fns
+from pztrain.step._mesh import Layout, MeshLayout
+from pztrain.step._on_mesh import OnMesh
 from pztrain.step._types import Carry, Inputs, Static, key_data
 
-__all__ = ["Found", "OnMesh", "Programs", "TrainPrograms", "args_of", "flat_args"]
+__all__ = [
+    "FLAT_NAMES",
+    "Found",
+    "Programs",
+    "TrainPrograms",
+    "args_of",
+    "flat_args",
+    "jit_options",
+    "train_programs",
+]
+
+# The arguments of a train step's program (`pztrain.step._fns.flat`), as an
+# error names them.
+FLAT_NAMES = (
+    "state.step",
+    "state.params",
+    "state.opt_state",
+    "state.loss_fn_state",
+    "sums",
+    "state.root_rng",
+    "state.model_without_params",
+    "batch",
+)
 
 
 class Programs:
@@ -112,144 +133,54 @@ def flat_args(state: TrainState, found: Found, batch: Any) -> tuple[Any, ...]:
     return (*carry, *inputs)
 
 
-class OnMesh:
-    """A program on a mesh, compiled at its first call for that call's layouts.
-
-    The body runs in explicit mode (`pztrain.step._mesh.MeshLayout.entered`),
-    each argument in the layout it arrives in (an uncommitted array, such as
-    fresh metric sums, replicated). With ``keep=n`` the first ``n`` arguments'
-    shardings are also the first ``n`` outputs' (a train step's step, params,
-    optimizer and loss-function states): they stay where they are, step after
-    step, and donation reuses their buffers. The per-call cost is one ``is
-    None`` check.
-
-    Args:
-      fn: The program's function, on positional arguments.
-      layout: The step's `pztrain.step._mesh.MeshLayout`.
-      options: For ``jax.jit`` (donation).
-      names: The arguments' names, for errors (``"state.params"``: an array
-        of it is named ``state.params['w1']``).
-      keep: How many leading arguments keep their shardings as outputs.
-    """
-
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        layout: MeshLayout,
-        options: dict[str, Any],
-        names: tuple[str, ...],
-        keep: int = 0,
-    ):
-        self._fn, self._layout, self._options = fn, layout, options
-        self._names, self._keep = names, keep
-        self._jitted: Any = None
-
-    def __call__(self, *args: Any) -> Any:
-        jitted = self._jitted
-        if jitted is None:
-            jitted = self._jitted = self._compile(args)
-        try:  # free unless it raises (Python 3.11's exception tables)
-            return jitted(*args)
-        except ValueError as err:  # JAX's, for a state moved since the first call?
-            self._refuse_misplaced(args, err)
-            raise
-
-    def lower(self, *args: Any) -> jax.stages.Lowered:
-        if self._jitted is None:
-            self._jitted = self._compile(args)
-        return self._jitted.lower(*args)
-
-    def eval_shape(self, *args: Any) -> Any:
-        """``jax.eval_shape`` of the program for these arguments (nothing runs)."""
-        specs = tuple(map(_specs, args))
-        return jax.eval_shape(self._layout.entered(self._fn, specs), *args)
-
-    def _compile(self, args: tuple[Any, ...]) -> Any:
-        self._check_all_placed(args)
-        specs = tuple(map(_specs, args))
-        options = dict(self._options)
-        if self._keep:
-            kept = tuple(jax.tree.map(self._sharding_of, x) for x in args[: self._keep])
-            # The rest (metric sums, state variables, aux) come and go between
-            # calls (fit's accumulate, then a plain call): jit places them.
-            options["out_shardings"] = (*kept, None, None, None)
-        return jax.jit(self._layout.entered(self._fn, specs), **options)
-
-    def _sharding_of(self, x: Any) -> Any:
-        if isinstance(x, jax.Array) and x.committed:
-            return x.sharding
-        return jax.sharding.NamedSharding(
-            self._layout.mesh, jax.sharding.PartitionSpec()
+def train_programs(
+    loss_fn: Any,
+    static: Static,
+    optimizer_def: Any,
+    *,
+    steps_per_call: int,
+    microbatches: int,
+    mode: str | None,
+    layout: Layout,
+    grad_norms: str | None,
+    jit: bool,
+    options: dict[str, Any],
+) -> TrainPrograms:
+    """A train step's programs for one model structure and optimizer: the step
+    (on flat arguments), the grads (built on first use) and the forward-only aux,
+    jitted with ``options`` (`jit_options`) unless ``jit`` is false, each on the
+    mesh with a `MeshLayout`."""
+    k, m, norms = steps_per_call, microbatches, grad_norms
+    train = _fns.train_fn(loss_fn, static, optimizer_def, k, m, mode, layout, norms)
+    step = _fns.flat(train)
+    grads = _fns.grads_fn(loss_fn, static, m, mode, layout)
+    aux = _fns.aux_fn(loss_fn, static, m, mode, layout, norms)
+    if not jit:
+        return TrainPrograms(step, lambda: grads, aux)
+    if isinstance(layout, MeshLayout):
+        return TrainPrograms(
+            OnMesh(step, layout, options, FLAT_NAMES, keep=4),
+            lambda: OnMesh(grads, layout, {}, ("state", "inputs")),
+            OnMesh(aux, layout, {}, ("state", "inputs")),
         )
-
-    def _check_all_placed(self, args: tuple[Any, ...]) -> None:
-        """Refuses any argument's array that is not on the step's mesh (at the
-        first call, and after a call failed: never on the hot path)."""
-        for name, arg in zip(self._names, args, strict=True):
-            check = functools.partial(self._check_placed, name)
-            jax.tree_util.tree_map_with_path(check, arg)
-
-    def _refuse_misplaced(self, args: tuple[Any, ...], err: ValueError) -> None:
-        """After JAX refused a call: says so if an array is off the mesh."""
-        try:
-            self._check_all_placed(args)
-        except ShardingError as named:
-            raise named from err
-
-    def _check_placed(self, name: str, path: Any, x: Any) -> None:
-        """Refuses an array committed to other devices than the mesh's, or to
-        another mesh over them (another shape, axis names or device order).
-
-        Raises:
-          ShardingError: naming the array, its mesh and the fix.
-        """
-        if not (isinstance(x, jax.Array) and x.committed):
-            return
-        mesh, sharding = self._layout.mesh, x.sharding
-        if isinstance(sharding, NamedSharding):
-            if same_mesh(sharding.mesh, mesh):
-                return
-            there = f"a mesh {describe_mesh(sharding.mesh)}"
-        elif sharding.device_set == set(mesh.devices.flat):
-            return
-        else:
-            there = f"devices {sorted(d.id for d in sharding.device_set)}"
-        where = name + jax.tree_util.keystr(tuple(path))
-        raise ShardingError(
-            f"{where} is on {there}, not on the step's mesh "
-            f"{describe_mesh(mesh)}. Put the state on the "
-            "step's mesh first: pztrain.shard_state(state, train_step.mesh, "
-            "rules), or pztrain.sharded_initial_state(make_state, "
-            "train_step.mesh, rules)."
-        )
+    return TrainPrograms(jax.jit(step, **options), lambda: jax.jit(grads), aux)
 
 
-def same_mesh(a: Any, b: Mesh) -> bool:
-    """Whether ``a`` is ``b`` for a step: the same devices in the same
-    arrangement under the same axis names (the axis types may differ: the
-    step's body makes every axis Explicit)."""
-    if a is b:
-        return True
-    return (
-        isinstance(a, Mesh)
-        and a.axis_names == b.axis_names
-        and a.devices.shape == b.devices.shape
-        and bool(np.all(a.device_ids == b.device_ids))
+def jit_options(
+    donate: bool, state_shardings: Any, batch_shardings: Any
+) -> dict[str, Any]:
+    """``jax.jit`` options of a train step's program: donation of the first
+    five flat arguments (step, params, optimizer and loss-function states,
+    sums), and the shardings given at build."""
+    options: dict[str, Any] = {}
+    if donate:
+        options["donate_argnums"] = (0, 1, 2, 3, 4)
+    if state_shardings is None and batch_shardings is None:
+        return options
+    sh = state_shardings
+    state = tuple(
+        getattr(sh, name, None) for name in ("params", "opt_state", "loss_fn_state")
     )
-
-
-def describe_mesh(mesh: Any) -> str:
-    """``{'data': 4, 'model': 2} over device ids [0, 1, …]``, for errors."""
-    ids = [int(i) for i in np.ravel(mesh.device_ids)]
-    shown = ", ".join(map(str, ids[:8])) + (", …" if len(ids) > 8 else "")
-    return f"{dict(mesh.shape)} over device ids [{shown}]"
-
-
-def _specs(arg: Any) -> Any:
-    """The specs of one argument's arrays, or one replicated spec for all of
-    them (which then also fits the argument given another structure, as the
-    metric sums are: ``None`` in a plain call)."""
-    specs = jax.tree.map(spec_of, arg)
-    if all(s == PartitionSpec() for s in jax.tree.leaves(specs)):
-        return PartitionSpec()
-    return specs
+    options["in_shardings"] = (None, *state, None, None, None, batch_shardings)
+    options["out_shardings"] = (None, *state, None, None, None)
+    return options

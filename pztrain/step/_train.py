@@ -26,35 +26,22 @@ from pztrain.state._donation import raise_if_donated
 from pztrain.state._parts import check_opt_state
 from pztrain.state._state import check_state
 from pztrain.state._struct import after_step, replaced
-from pztrain.step import _fns
 from pztrain.step._call_batch import on_mesh, one_batch, two_batches
 from pztrain.step._cost import StepCost, StepMemory, cost_of
 from pztrain.step._mesh import NO_MESH, MeshLayout
 from pztrain.step._notes import note_inputs
 from pztrain.step._programs import (
     Found,
-    OnMesh,
     Programs,
     TrainPrograms,
     args_of,
     flat_args,
+    jit_options,
+    train_programs,
 )
 from pztrain.step._types import LossFunction, Static, StepOutputs
 
-__all__ = ["FLAT_NAMES", "TrainStep"]
-
-# The arguments of a train step's program (`pztrain.step._fns.flat`), as an
-# error names them.
-FLAT_NAMES = (
-    "state.step",
-    "state.params",
-    "state.opt_state",
-    "state.loss_fn_state",
-    "sums",
-    "state.root_rng",
-    "state.model_without_params",
-    "batch",
-)
+__all__ = ["TrainStep"]
 
 
 class _GoOn:
@@ -152,46 +139,21 @@ class TrainStep:
         self._programs = Programs(self._build)
 
     def _build(self, static: Static, optimizer_def: Any) -> TrainPrograms:
-        k, m, loss_fn, mode, layout = (
-            self.steps_per_call,
-            self.microbatches,
+        """The programs for one model structure and optimizer."""
+        return train_programs(
             self.loss_fn,
-            self.mode,
-            self._layout,
+            static,
+            optimizer_def,
+            steps_per_call=self.steps_per_call,
+            microbatches=self.microbatches,
+            mode=self.mode,
+            layout=self._layout,
+            grad_norms=self.grad_norms,
+            jit=self.jit,
+            options=jit_options(
+                self.donate, self._state_shardings, self._batch_shardings
+            ),
         )
-        norms = self.grad_norms
-        train = _fns.train_fn(loss_fn, static, optimizer_def, k, m, mode, layout, norms)
-        step = _fns.flat(train)
-        grads = _fns.grads_fn(loss_fn, static, m, mode, layout)
-        aux = _fns.aux_fn(loss_fn, static, m, mode, layout, norms)
-        if not self.jit:
-            return TrainPrograms(step, lambda: grads, aux)
-        if isinstance(layout, MeshLayout):
-            jitted = OnMesh(step, layout, self._jit_options(), FLAT_NAMES, keep=4)
-            return TrainPrograms(
-                jitted,
-                lambda: OnMesh(grads, layout, {}, ("state", "inputs")),
-                OnMesh(aux, layout, {}, ("state", "inputs")),
-            )
-        jitted = jax.jit(step, **self._jit_options())
-        return TrainPrograms(jitted, lambda: jax.jit(grads), aux)
-
-    def _jit_options(self) -> dict[str, Any]:
-        """Donation of the first five flat arguments (step, params, optimizer
-        and loss-function states, sums), and the shardings given at build."""
-        options: dict[str, Any] = {}
-        if self.donate:
-            options["donate_argnums"] = (0, 1, 2, 3, 4)
-        if self._state_shardings is None and self._batch_shardings is None:
-            return options
-        sh = self._state_shardings
-        state = tuple(
-            getattr(sh, name, None) for name in ("params", "opt_state", "loss_fn_state")
-        )
-        batch = self._batch_shardings
-        options["in_shardings"] = (None, *state, None, None, None, batch)
-        options["out_shardings"] = (None, *state, None, None, None)
-        return options
 
     def __call__(
         self, state: TrainState, batch: Any = None, /, **arrays: Any
