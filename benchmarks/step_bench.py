@@ -543,6 +543,37 @@ def build_pztrain(problem: Problem, family: str = "penzai_v2", fused: int = 1):
     )
 
 
+def build_pztrain_program(problem: Problem) -> Runner:
+    """pztrain's jitted program for the pztrain column, called with no Python
+    around it: the flat arguments a call passes, and its outputs fed back.
+
+    What any call path in Python can at best reach: the ceiling of the
+    ``pztrain`` column (which builds a new `TrainState` around each call). It
+    reads the step's private table of programs (a measurement, not an API).
+    """
+    import pztrain
+
+    state = pztrain.TrainState.initial_state(
+        problem.penzai_v2_model(), optax.adam(LEARNING_RATE), jax.random.key(SEED)
+    )
+    step = pztrain.build_train_step(_penzai_loss(penzai_v2_logits))
+    found = step._programs.lookup(
+        state.model_without_params, state.optimizer_def, state.root_rng
+    )
+    carry = [state.step, state.params, state.opt_state, state.loss_fn_state, None]
+    batch = problem.batch
+
+    def run(n: int) -> Any:
+        c, out = tuple(carry), None
+        for _ in range(n):
+            out = found.step(*c, found.key_data, found.rest, batch)
+            c = out[:5]
+        carry[:] = c
+        return out[6]["loss"]
+
+    return Runner(run)
+
+
 def build_pztrain_fit(problem: Problem) -> Callable[[int], Any]:
     """``pztrain.fit`` on the pztrain column's model, loss and optimizer.
 
@@ -633,6 +664,7 @@ IMPLS = [
         "pztrain, dict model",
         lambda p: build_pztrain(p, family="dict"),
     ),
+    Impl("pztrain_program", "pztrain's program alone", build_pztrain_program),
     Impl("pztrain_fit", "pztrain fit", _build_fit_runner),
     Impl("raw_scan32", f"raw lax.scan ×{FUSED}", lambda p: build_raw(p, fused=FUSED)),
     Impl(

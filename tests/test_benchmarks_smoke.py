@@ -33,6 +33,7 @@ def test_step_benchmark_quick_mode_completes():
     for name in ("W0", "W1", "W3s"):
         assert name in out
     assert "pztrain fit" in out
+    assert "pztrain's program alone" in out
 
 
 def test_checkpoint_benchmark_completes():
