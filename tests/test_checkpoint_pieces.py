@@ -251,3 +251,16 @@ def test_store_holds_its_directory_from_open_to_close(tmp_path):
     first.close()
     second.open()  # free again
     second.close()
+
+
+def test_checkpoints_overwrite_set_after_construction_reaches_its_store(tmp_path):
+    from pztrain import Checkpoints
+
+    ckpts = Checkpoints(tmp_path, keep_last=3)
+    ckpts.save(_state(1.0), 1)
+    with pytest.raises(CheckpointError, match="1"):
+        ckpts.save(_state(2.0), 1)
+    ckpts.overwrite = True
+    ckpts.save(_state(2.0), 1)
+    assert float(ckpts.restore(1, _state(0.0)).params["w"][0]) == 2.0
+    ckpts.close()

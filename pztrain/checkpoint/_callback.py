@@ -106,7 +106,16 @@ class Checkpoints(Callback):
     monitor = property(lambda self: self.store.retention.monitor)
     mode = property(lambda self: self.store.retention.mode)
     async_save = property(lambda self: self.store.writer.async_save)
-    overwrite = property(lambda self: self.store.overwrite)
+
+    @property
+    def overwrite(self) -> bool:
+        """Whether a run that does not resume may delete the directory's
+        checkpoints, and `save` may replace a step (settable)."""
+        return self.store.overwrite
+
+    @overwrite.setter
+    def overwrite(self, value: bool) -> None:
+        self.store.overwrite = value
 
     def _new_run(self) -> None:
         """Forgets what the previous run told it (`prepare` starts a run)."""
