@@ -190,9 +190,9 @@ class Checkpoints(Callback):
         meta = self._metadata(state, metrics)
         if owed_eval is not None:
             meta["owed_eval"] = {"step": owed_eval[0], "epoch": owed_eval[1]}
+        self.store.write(step, state, meta, metrics, wait=wait)
         self._saves += 1
         self._ranked += metrics is not None and self.monitor in metrics
-        self.store.write(step, state, meta, metrics, wait=wait)
 
     def save_stopped(
         self, state: TrainState, step: int, owed_eval: tuple[int, int] | None = None
