@@ -264,3 +264,25 @@ def test_checkpoints_overwrite_set_after_construction_reaches_its_store(tmp_path
     ckpts.save(_state(2.0), 1)
     assert float(ckpts.restore(1, _state(0.0)).params["w"][0]) == 2.0
     ckpts.close()
+
+
+# ---------------------------------------------------------------- orbax notices
+
+
+def test_orbax_notices_about_pztrains_own_choices_are_dropped_others_kept(caplog):
+    import logging
+
+    from pztrain.checkpoint import _orbax
+
+    _orbax.ocp()  # installs the filter
+    absl = logging.getLogger("absl")
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        absl.warning(
+            "[process=0][thread=MainThread] _SignalingThread.join() waiting for "
+            "signals ([]) blocking the main thread will slow down blocking save times."
+        )
+        absl.warning("Skipping merge of OCDBT checkpoints: no OCDBT parts.")
+        absl.warning("A real problem that a user must see.")
+    assert [r.getMessage() for r in caplog.records] == [
+        "A real problem that a user must see."
+    ]

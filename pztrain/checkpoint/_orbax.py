@@ -35,11 +35,22 @@ __all__ = [
 ]
 
 
-class _QuietNonOcdbtMerge(logging.Filter):
-    """Drops orbax's notice that a non-OCDBT save had no OCDBT parts to merge."""
+# Notices orbax logs as warnings about what pztrain does on purpose, which a user
+# can do nothing about: a non-OCDBT save had no OCDBT parts to merge; a
+# synchronous save waited for its own background signals (orbax 0.11's notice
+# that "blocking the main thread will slow down blocking save times").
+_NOTICES = (
+    "Skipping merge of OCDBT checkpoints",
+    "_SignalingThread.join() waiting for signals",
+)
+
+
+class _QuietNotices(logging.Filter):
+    """Drops orbax's `_NOTICES`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
+        message = record.getMessage()
+        return not any(notice in message for notice in _NOTICES)
 
 
 def ocp() -> Any:
@@ -47,8 +58,8 @@ def ocp() -> Any:
     import orbax.checkpoint
 
     absl = logging.getLogger("absl")
-    if not any(isinstance(f, _QuietNonOcdbtMerge) for f in absl.filters):
-        absl.addFilter(_QuietNonOcdbtMerge())
+    if not any(isinstance(f, _QuietNotices) for f in absl.filters):
+        absl.addFilter(_QuietNotices())
     return orbax.checkpoint
 
 
