@@ -285,6 +285,16 @@ print(json.dumps(out))
 """
 
 
+# jaxlib 0.9 (the floor) logs this line for each program it loads from the
+# persistent compilation cache the tests keep (tests/conftest.py): JAX's, not
+# pztrain's, and absent from later jaxlibs.
+_CACHE_NOTICE = re.compile(
+    r"^W\d{4} [\d:.]+ +\d+ pjrt_executable\.cc:\d+\] Assume version "
+    r"compatibility\..*\n?",
+    re.MULTILINE,
+)
+
+
 @pytest.mark.slow
 def test_arrays_sharded_over_devices_are_read_by_orbax_and_verified(tmp_path):
     env = dict(
@@ -299,7 +309,8 @@ def test_arrays_sharded_over_devices_are_read_by_orbax_and_verified(tmp_path):
         text=True,
         timeout=300,
     )
-    assert run.returncode == 0 and run.stderr == "", run.stderr
+    stderr = _CACHE_NOTICE.sub("", run.stderr)
+    assert run.returncode == 0 and stderr == "", run.stderr
     out = json.loads(run.stdout)
     assert out["equal"] and out["mu_sharding"] == "P(None, 'd')"
     ckpt = tmp_path / "s"
