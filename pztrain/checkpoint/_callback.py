@@ -90,10 +90,10 @@ class Checkpoints(Callback):
             or every_steps < 1
         ):
             raise ValueError(f"every_steps must be an int >= 1; got {every_steps!r}.")
-        self.directory = Path(directory).absolute()
         on_eval = keep_best > 0 if on_eval is None else on_eval
         self.points = SavePoints(every_steps, at_epoch_end, on_eval)
-        self.store = CheckpointStore(self.directory, retention, async_save, overwrite)
+        root = Path(directory).absolute()
+        self.store = CheckpointStore(root, retention, async_save, overwrite)
         self._open = 0  # nesting depth of with-blocks (fit opens one)
         self._new_run()
 
@@ -101,6 +101,7 @@ class Checkpoints(Callback):
     every_steps = property(lambda self: self.points.every_steps)
     at_epoch_end = property(lambda self: self.points.at_epoch_end)
     on_eval = property(lambda self: self.points.on_eval)
+    directory = property(lambda self: self.store.directory)
     keep_last = property(lambda self: self.store.retention.keep_last)
     keep_best = property(lambda self: self.store.retention.keep_best)
     monitor = property(lambda self: self.store.retention.monitor)

@@ -16,6 +16,7 @@ from typing import Any
 
 from pztrain.checkpoint import _directory, _format
 from pztrain.checkpoint._lock import locked
+from pztrain.checkpoint._metadata import CheckpointError
 from pztrain.checkpoint._retention import Retention
 from pztrain.checkpoint._targets import params_of
 from pztrain.checkpoint._writer import Writer
@@ -51,7 +52,7 @@ class CheckpointStore:
         self._lock = contextlib.ExitStack()  # the directory's, from open to close
 
     @property
-    def failed(self) -> Any:
+    def failed(self) -> CheckpointError | None:
         """The error of a save that failed in the background, or ``None``."""
         return self.writer.failed
 
