@@ -93,7 +93,7 @@ def check_alive(tree: Any, where: str, what: str = "these arrays") -> None:
       what: What they are, for the message.
     """
     leaves = jax.tree.leaves(tree)
-    deleted = [x for x in leaves if isinstance(x, jax.Array) and x.is_deleted()]
+    deleted = [x for x in leaves if _deleted(x)]
     if not deleted:
         return
     consumer = _consumer(deleted)
@@ -109,6 +109,17 @@ def check_alive(tree: Any, where: str, what: str = "these arrays") -> None:
         "notebook, re-run the cell that builds the state before "
         "re-running a training cell, or build the step with donate=False to keep "
         "old states."
+    )
+
+
+def _deleted(x: Any) -> bool:
+    """Whether ``x`` is a concrete array that was donated. A tracer (under the
+    user's ``jax.jit``, ``lax.scan`` or ``jax.vmap``) owns no buffer, so it
+    never was; asking it ``is_deleted()`` raises."""
+    return (
+        isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)
+        and x.is_deleted()
     )
 
 

@@ -65,12 +65,16 @@ def placed_like(tree: Any, like: Any) -> Any:
     value set on a state on a mesh keeps the sharding of the one it replaces."""
 
     def place(x, old):
-        if isinstance(x, jax.Array) and isinstance(old, jax.Array):
+        if _concrete(x) and _concrete(old):  # a tracer has no placement
             if x.sharding != old.sharding:
                 return jax.device_put(x, old.sharding)
         return x
 
     return jax.tree.map(place, tree, like)
+
+
+def _concrete(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 
 def check_grads(grads: Any, params: Any) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh
 
 from pztrain.metrics import MetricSums, metric_names
@@ -246,8 +247,10 @@ class TrainStep:
         if self.batch_sharding is not None and isinstance(batch, Mapping):
             batch = on_mesh(batch, self.batch_sharding)
         step, _, rest_arrays, key_data, _ = found
-        is_deleted = getattr(fields["step"], "is_deleted", None)  # not a tracer
-        if is_deleted is not None and is_deleted():  # before XLA logs its error
+        counter = fields["step"]
+        if isinstance(counter, Tracer):
+            pass  # under the user's jit, scan or vmap: nothing is donated
+        elif getattr(counter, "is_deleted", _alive)():  # before XLA logs its error
             state.check_not_donated("train_step(state, ...)")
         try:
             out = step(
@@ -394,6 +397,10 @@ class TrainStep:
 
 
 _make = tuple.__new__
+
+
+def _alive() -> bool:
+    return False
 
 
 def _shapes_key(tree: Any) -> tuple[Any, ...]:
