@@ -83,9 +83,7 @@ def test_step_inside_scan_equals_eager(eager):
 
 def test_step_inside_fori_loop_equals_eager(eager):
     step = pztrain.build_train_step(loss_fn)
-    state = jax.lax.fori_loop(
-        0, 4, lambda i, s: step(s, x=X, y=Y)[0], make_state()
-    )
+    state = jax.lax.fori_loop(0, 4, lambda i, s: step(s, x=X, y=Y)[0], make_state())
     assert_states_close(state, eager[0])
 
 
@@ -111,9 +109,9 @@ def test_fused_and_single_steps_inside_jit(eager):
 def test_accumulate_inside_jit(eager):
     step = pztrain.build_train_step(loss_fn)
     sums = step.metric_sums(make_state(), x=X, y=Y)
-    state, sums = jax.jit(
-        lambda s, m: step.accumulate(s, m, x=X, y=Y, calls=4)
-    )(make_state(), sums)
+    state, sums = jax.jit(lambda s, m: step.accumulate(s, m, x=X, y=Y, calls=4))(
+        make_state(), sums
+    )
     assert_states_close(state, eager[0])
     summary = sums.read()
     assert summary.count == 4
