@@ -16,6 +16,7 @@ from pztrain import (
     metrics,
     monitors,
     partition,
+    population,
     precision,
     sharding,
     summary,
@@ -47,6 +48,14 @@ from pztrain.ema import with_ema
 from pztrain.loggers import JsonlLogger, TensorBoardLogger
 from pztrain.loop import evaluate, fit
 from pztrain.partition import ApplyFnModel, ParamSlot, PartitionError
+from pztrain.population import (
+    PopulationError,
+    make_population,
+    member,
+    members,
+    population_size,
+    stack_members,
+)
 from pztrain.precision import mixed_precision
 from pztrain.records import History, LoopInfo, Stop
 from pztrain.sharding import (
@@ -89,6 +98,7 @@ __all__ = [
     "NanPolicy",
     "ParamSlot",
     "PartitionError",
+    "PopulationError",
     "ProgressBar",
     "ShardingError",
     "ShardingRules",
@@ -112,10 +122,15 @@ __all__ = [
     "load_params",
     "load_state",
     "loggers",
+    "make_population",
+    "member",
+    "members",
     "metrics",
     "mixed_precision",
     "monitors",
     "partition",
+    "population",
+    "population_size",
     "precision",
     "put_batch",
     "read_metadata",
@@ -124,6 +139,7 @@ __all__ = [
     "shard_state",
     "sharded_initial_state",
     "sharding",
+    "stack_members",
     "state_shardings",
     "summary",
     "with_ema",

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pztrain._members import spread
 from pztrain._tree import named_leaves
 
 __all__ = ["MetricSums", "Summary", "metric_names"]
@@ -79,10 +80,12 @@ class MetricSums:
     packed: jax.Array
 
     @classmethod
-    def zeros(cls, names: Sequence[str]) -> MetricSums:
-        """Empty sums for the metrics ``names``."""
-        empty = np.zeros(len(names) + 4, np.float32)
-        empty[-2:] = -1.0  # no non-finite step yet
+    def zeros(cls, names: Sequence[str], members: int | None = None) -> MetricSums:
+        """Empty sums for the metrics ``names``; for a population of ``members``,
+        one row of sums per member (a step maps over the rows)."""
+        shape = (len(names) + 4,) if members is None else (members, len(names) + 4)
+        empty = np.zeros(shape, np.float32)
+        empty[..., -2:] = -1.0  # no non-finite step yet
         return cls(tuple(names), jnp.asarray(empty))
 
     def add(self, loss: jax.Array, aux: Any, step: jax.Array) -> MetricSums:
@@ -111,6 +114,8 @@ class MetricSums:
         # np.asarray rather than jax.device_get: the same explicit read of one
         # array without device_get's pytree machinery (~60 µs less on CPU).
         packed = np.asarray(self.packed)
+        if packed.ndim == 2:
+            return _read_members(self.names, packed)
         n = len(self.names)
         count, nonfinite, hi, lo = (int(v) for v in packed[n : n + 4])
         first = -1 if hi < 0 else hi * 65536 + lo
@@ -126,9 +131,26 @@ jax.tree_util.register_dataclass(
 )
 
 
+def _read_members(names: tuple[str, ...], packed: np.ndarray) -> Summary:
+    """A population's sums (one row per member): each metric's mean over the
+    members, its min, max and per-member means (`pztrain._members.spread`);
+    the steps with a non-finite loss in any member."""
+    n = len(names)
+    count = int(packed[0, n])
+    nonfinite = int(packed[:, n + 1].max())
+    firsts = [
+        int(hi) * 65536 + int(lo) for hi, lo in packed[:, n + 2 :] if hi >= 0
+    ]
+    means: dict[str, float] = {}
+    for i, name in enumerate(names):
+        means.update(spread(name, packed[:, i] / max(count, 1)))
+    return Summary(means, count, nonfinite, min(firsts, default=-1))
+
+
 @jax.jit
 def _fresh(sums: MetricSums) -> MetricSums:
-    return MetricSums.zeros(sums.names)
+    members = sums.packed.shape[0] if sums.packed.ndim == 2 else None
+    return MetricSums.zeros(sums.names, members)
 
 
 def _halves(step: jax.Array) -> jax.Array:

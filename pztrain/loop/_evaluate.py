@@ -7,7 +7,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from pztrain._members import spread
 from pztrain._tree import named_leaves
 from pztrain.data import StepLoader, put_batch
 from pztrain.data._batch import BatchError, check_batch
@@ -108,14 +110,17 @@ def evaluate_until(
         n = check_batch(batch)  # examples of the (global) batch
         values = run(batch)
         if sums is None:
-            sums = jax.tree.map(lambda _: jnp.zeros((), jnp.float32), values)
+            sums = jax.tree.map(lambda v: jnp.zeros(jnp.shape(v), jnp.float32), values)
         sums = _weighted_add(sums, values, jnp.float32(n))
         total += n
     if sums is None:
         raise BatchError("evaluate got no batches: the eval data is empty.")
     with host_reads():
         host = jax.device_get(sums)
-    return {name: float(v) / total for name, v in named_leaves(host)}
+    out: dict[str, float] = {}
+    for name, v in named_leaves(host):  # a population's: per member, and more
+        out.update(spread(name, np.asarray(v, np.float64) / total))
+    return out
 
 
 def _on_weights(state: TrainState, eval_step: EvalStep, ema: Any):

@@ -21,7 +21,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from pztrain._members import spread
 from pztrain.loop._hooks import Hooks, host_reads
 from pztrain.metrics import MetricSums
 from pztrain.records import Stop
@@ -132,7 +134,7 @@ class Reporter:
             summary = point.sums.read()
             values = dict(summary.means)
             if point.learning_rate is not None:
-                values["learning_rate"] = float(point.learning_rate)
+                values.update(spread("learning_rate", np.asarray(point.learning_rate)))
         record = self._record("train", point.step, point.epoch, values, point.time)
         record.update(self._throughput(point))
         if summary.nonfinite:

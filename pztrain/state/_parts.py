@@ -111,20 +111,35 @@ def _shapes_key(params: Any) -> Any:
     return treedef, tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves)
 
 
-def check_opt_state(optimizer_def: Any, opt_state: Any, params: Any) -> None:
+def check_opt_state(
+    optimizer_def: Any, opt_state: Any, params: Any, members: int | None = None
+) -> None:
     """Refuses an ``opt_state`` that ``optimizer_def.init(params)`` would not
-    make, naming the fields that differ."""
+    make, naming the fields that differ. For a population of ``members``, each
+    member's: params and optimizer state carry a leading member axis."""
+    if members is not None:
+        params = jax.tree.map(_member_shape, params)
     try:
         hash(optimizer_def)
         key = _shapes_key(params)
         state_def, shapes = _expected_state(optimizer_def, key)
     except Exception:  # an optimizer or params this check cannot judge
         return
+    if members is not None:
+        shapes = tuple((members, *shape) for shape in shapes)
     leaves, got_def = jax.tree.flatten(opt_state)
     if got_def == state_def and tuple(np.shape(x) for x in leaves) == shapes:
         return
     expected = jax.eval_shape(optimizer_def.init, params)
+    if members is not None:
+        expected = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((members, *x.shape), x.dtype), expected
+        )
     raise ValueError(_opt_state_message(expected, opt_state))
+
+
+def _member_shape(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype)
 
 
 def _described(tree: Any) -> dict[str, str]:

@@ -20,6 +20,7 @@ from pztrain._optax import (
 )
 from pztrain.ema import ema_params_of
 from pztrain.state import _flax
+from pztrain._members import member_count
 from pztrain.state._donation import DonatedStateError, check_alive
 from pztrain.state._parts import (
     check_grads,
@@ -340,6 +341,7 @@ class TrainState(pz.Struct):
                 fields.get("optimizer_def", self.optimizer_def),
                 fields.get("opt_state", self.opt_state),
                 fields.get("params", self.params),
+                member_count(fields.get("root_rng", self.root_rng)),
             )
         return replaced(self, fields)
 
@@ -362,7 +364,12 @@ class TrainState(pz.Struct):
             optimizer for the params (naming the fields that differ).
         """
         check_grads(grads, self.params)
-        check_opt_state(self.optimizer_def, self.opt_state, self.params)
+        check_opt_state(
+            self.optimizer_def,
+            self.opt_state,
+            self.params,
+            member_count(self.root_rng),
+        )
         params, opt_state = optimizer_update(
             self.optimizer_def, grads, self.opt_state, self.params
         )

@@ -29,6 +29,7 @@ def build_train_step(
     explicit_loss: bool = False,
     mode: str | None = "train",
     grad_norms: str | None = None,
+    member_batches: bool = False,
 ) -> TrainStep:
     """Builds a `TrainStep` for ``loss_fn`` (penzai's loss-function contract).
 
@@ -49,6 +50,9 @@ def build_train_step(
       mode: A Flax NNX model's mode: ``"train"``, ``"eval"`` or ``None`` (as built).
       grad_norms: ``"global"`` or ``"per_param"``: grad norms as metrics in the
         aux (see `TrainStep`); ``None`` (default): none, nothing computed.
+      member_batches: For a population (`pztrain.population`): each member
+        gets its own batch, every batch leaf having a leading member axis;
+        ``False`` (default): one batch shared by every member.
 
     Raises:
       ValueError: for counts < 1, ``donate=True`` without jit, a bad ``mode``
@@ -96,6 +100,10 @@ def _checked(options: dict[str, Any]) -> dict[str, Any]:
     options["mesh"] = _checked_mesh(options["mesh"])
     options["mode"] = checked_mode(options["mode"])
     options["grad_norms"] = checked_grad_norms(options["grad_norms"])
+    if not isinstance(options["member_batches"], bool):
+        raise TypeError(
+            f"member_batches must be True or False; got {options['member_batches']!r}."
+        )
     return options
 
 

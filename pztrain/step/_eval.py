@@ -11,6 +11,7 @@ from pztrain.state._donation import raise_if_donated
 from pztrain.state._state import check_state
 from pztrain.step import _fns
 from pztrain.step._build import checked_mode
+from pztrain.step._members import over_members
 from pztrain.step._mesh import MeshLayout, mesh_of
 from pztrain.step._notes import note_inputs
 from pztrain.step._on_mesh import OnMesh
@@ -75,8 +76,10 @@ class EvalStep:
         jit: bool,
         mode: str | None = "eval",
         ema: bool = False,
+        member_batches: bool = False,
     ):
         self.eval_fn = eval_fn
+        self.member_batches = member_batches
         self.jit = jit
         self.mode = mode
         self.ema = ema
@@ -87,11 +90,18 @@ class EvalStep:
         in explicit mode with the eval function in auto mode, as a train step
         (`pztrain.step._mesh`); evaluation needs no compute layout."""
         if mesh is None:
-            fn = _fns.eval_fn(self.eval_fn, static, self.mode)
+            fn = self._members(static, _fns.eval_fn(self.eval_fn, static, self.mode))
             return jax.jit(fn) if self.jit else fn
         layout = MeshLayout(mesh, data_axes=())
         fn = _fns.eval_fn(self.eval_fn, static, self.mode, layout)
+        fn = self._members(static, fn)
         return OnMesh(fn, layout, {}, ("state", "inputs")) if self.jit else fn
+
+    def _members(self, static: Static, fn: Any) -> Any:
+        """``fn`` mapped over a population's members (one metric per member)."""
+        if static.members is None:
+            return fn
+        return over_members(fn, static.members, self.member_batches)
 
     def __call__(self, state: TrainState, **batch: Any) -> Any:
         """Returns ``eval_fn``'s metrics for ``state`` on ``batch``."""
@@ -114,6 +124,7 @@ def build_eval_step(
     jit: bool = True,
     mode: str | None = "eval",
     ema: bool = False,
+    member_batches: bool = False,
 ) -> EvalStep:
     """Builds an eval step: ``eval_fn(*, model, state, rng, **batch) -> metrics``.
 
@@ -126,6 +137,9 @@ def build_eval_step(
         that manages its modes itself. Ignored by other families.
       ema: Evaluate the state's EMA params (`pztrain.with_ema`), not its
         params (as ``eval_step(state.using_ema(), ...)``).
+      member_batches: For a population (`pztrain.population`): one batch per
+        member (a leading member axis on every leaf); ``False``: one batch
+        shared by every member. A population's metrics have a member axis.
 
     Returns:
       An `EvalStep`.
@@ -143,4 +157,8 @@ def build_eval_step(
         raise TypeError(f"eval_fn must be callable; got {type(eval_fn).__name__}.")
     if not isinstance(ema, bool):
         raise TypeError(f"ema must be True or False; got {ema!r}.")
-    return EvalStep(eval_fn, jit=jit, mode=checked_mode(mode), ema=ema)
+    if not isinstance(member_batches, bool):
+        raise TypeError(f"member_batches must be True or False; got {member_batches!r}.")
+    return EvalStep(
+        eval_fn, jit=jit, mode=checked_mode(mode), ema=ema, member_batches=member_batches
+    )

@@ -9,9 +9,11 @@ from typing import Any, NamedTuple
 
 import jax
 
+from pztrain._members import member_count
 from pztrain.partition import split_rest
 from pztrain.state import TrainState
 from pztrain.step import _fns
+from pztrain.step._members import over_members
 from pztrain.step._mesh import Layout, MeshLayout
 from pztrain.step._on_mesh import OnMesh
 from pztrain.step._types import Carry, Inputs, Static, key_data
@@ -63,7 +65,7 @@ class Programs:
             return last[3]
         spec, arrays = split_rest(rest)
         data, impl = key_data(root_rng)
-        static = Static(spec, impl)
+        static = Static(spec, impl, member_count(root_rng))
         key = (static, optimizer_def)
         if key not in self._built:
             self._built[key] = self._build(static, optimizer_def)
@@ -145,6 +147,7 @@ def train_programs(
     grad_norms: str | None,
     jit: bool,
     options: dict[str, Any],
+    member_batches: bool = False,
 ) -> TrainPrograms:
     """A train step's programs for one model structure and optimizer: the step
     (on flat arguments), the grads (built on first use) and the forward-only aux,
@@ -152,9 +155,13 @@ def train_programs(
     mesh with a `MeshLayout`."""
     k, m, norms = steps_per_call, microbatches, grad_norms
     train = _fns.train_fn(loss_fn, static, optimizer_def, k, m, mode, layout, norms)
-    step = _fns.flat(train)
     grads = _fns.grads_fn(loss_fn, static, m, mode, layout)
     aux = _fns.aux_fn(loss_fn, static, m, mode, layout, norms)
+    if static.members is not None:  # a population: one program for all
+        train = over_members(train, static.members, member_batches, train=True)
+        grads = over_members(grads, static.members, member_batches)
+        aux = over_members(aux, static.members, member_batches)
+    step = _fns.flat(train)
     if not jit:
         return TrainPrograms(step, lambda: grads, aux)
     if isinstance(layout, MeshLayout):

@@ -19,6 +19,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh
 
+from pztrain._members import member_count
 from pztrain.metrics import MetricSums, metric_names
 from pztrain.sharding import data_sharding
 from pztrain.sharding._rules import mesh_axes
@@ -117,8 +118,10 @@ class TrainStep:
         explicit_loss: bool = False,
         mode: str | None = "train",
         grad_norms: str | None = None,
+        member_batches: bool = False,
     ):
         self.loss_fn = loss_fn
+        self.member_batches = member_batches
         self.mode = mode
         self.grad_norms = grad_norms
         self.jit = jit
@@ -154,6 +157,7 @@ class TrainStep:
             options=jit_options(
                 self.donate, self._state_shardings, self._batch_shardings
             ),
+            member_batches=self.member_batches,
         )
 
     def __call__(
@@ -242,7 +246,12 @@ class TrainStep:
             found = last[3]
         else:
             if last[1] is not optimizer_def:  # a new optimizer: is this its state?
-                check_opt_state(optimizer_def, fields["opt_state"], fields["params"])
+                check_opt_state(
+                    optimizer_def,
+                    fields["opt_state"],
+                    fields["params"],
+                    member_count(root_rng),
+                )
             found = self._programs.lookup(rest, optimizer_def, root_rng)
         if self.batch_sharding is not None and isinstance(batch, Mapping):
             batch = on_mesh(batch, self.batch_sharding)
@@ -302,6 +311,7 @@ class TrainStep:
             explicit_loss=self.explicit_loss,
             mode=self.mode,
             grad_norms=self.grad_norms,
+            member_batches=self.member_batches,
         )
 
     def metric_sums(
@@ -323,9 +333,13 @@ class TrainStep:
         carry, inputs = args_of(state, found, batch, opt_state=False)
         names = found.program.metric_names
         key = _shapes_key((carry, inputs))
+        members = found.static.members
         if key not in names:
-            names[key] = tuple(metric_names(found.program.aux_shape(carry, inputs)))
-        return MetricSums.zeros(names[key])
+            aux = found.program.aux_shape(carry, inputs)
+            if members is not None:  # a member's metrics: drop the member axis
+                aux = jax.tree.map(_one_member, aux)
+            names[key] = tuple(metric_names(aux))
+        return MetricSums.zeros(names[key], members=members)
 
     def compute_grads(self, state: TrainState, **batch: Any) -> StepOutputs:
         """Loss, new loss-function state, aux and grads for one batch; no update.
@@ -401,6 +415,10 @@ _make = tuple.__new__
 
 def _alive() -> bool:
     return False
+
+
+def _one_member(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
 
 
 def _shapes_key(tree: Any) -> tuple[Any, ...]:

@@ -101,10 +101,13 @@ class Static:
       rest: The static part of ``model_without_params``.
       key_impl: The root key's PRNG implementation (``"threefry2x32"``, …), or
         ``None`` for a legacy ``uint32`` key (``jax.random.PRNGKey``).
+      members: A population's member count (the root key's leading axis), or
+        ``None`` for one run: the programs then map over the members.
     """
 
     rest: RestSpec
     key_impl: str | None
+    members: int | None = None
 
     def root_rng(self, data: jax.Array) -> jax.Array:
         """The root key, from the raw data that crossed ``jax.jit``."""

@@ -1,0 +1,291 @@
+"""Populations: many runs of one model trained as one program.
+
+A population of ``K`` members is an ordinary `pztrain.TrainState` whose array
+leaves carry a leading member axis ``K``: params, optimizer state (so injected
+hyperparameters such as the learning rate are one value per member),
+loss-function state, the arrays of ``model_without_params`` and the root key
+(one key per member). Its ``step`` stays one scalar: members step together.
+
+Why a `TrainState` and not a type around one: every pytree tool already takes
+it (``jax.vmap`` of `pztrain.TrainState.initial_state` makes one, orbax saves
+it, treescope shows it), the step, `pztrain.fit`, `pztrain.evaluate` and the
+checkpoints need no second code path, and a member is a plain slice. What
+makes a state a population is its root key's member axis (`population_size`).
+
+A train step (`pztrain.build_train_step`) called on a population maps the step
+over the members inside its one jitted program (``jax.vmap`` inside the jit);
+the batch is shared by every member, or one per member with
+``build_train_step(..., member_batches=True)``. Metrics come back per member,
+and `pztrain.fit` logs each metric's mean, min, max and per-member values
+(``"loss"``, ``"loss/min"``, ``"loss/max"``, ``"loss/member_3"``).
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax, pztrain
+  >>> def init(seed):
+  ...     w = jax.random.normal(jax.random.key(seed), (3,))
+  ...     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+  ...     return pztrain.TrainState.initial_state({"w": w}, tx, jax.random.key(seed))
+  >>> pop = make_population(init, seeds=range(4),
+  ...                       learning_rate=[0.01, 0.03, 0.1, 0.3])
+  >>> population_size(pop), pop.params["w"].shape, pop.step.shape
+  (4, (4, 3), ())
+  >>> def loss_fn(*, model, state, rng, x):
+  ...     loss = jnp.mean((x @ model["w"] - 1.0) ** 2)
+  ...     return loss, state, {"loss": loss}
+  >>> train_step = pztrain.build_train_step(loss_fn)
+  >>> for _ in range(20):
+  ...     pop, aux = train_step(pop, x=jnp.ones((8, 3)))
+  >>> aux["loss"].shape  # one loss per member
+  (4,)
+  >>> best = member(pop, int(jnp.argmin(aux["loss"])))  # an ordinary TrainState
+  >>> best.params["w"].shape, int(best.step)
+  ((3,), 20)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pztrain._members import member_count
+from pztrain._tree import describe
+from pztrain.state import TrainState
+
+__all__ = [
+    "PopulationError",
+    "make_population",
+    "member",
+    "members",
+    "population_size",
+    "set_member_hyperparams",
+    "shard_members",
+    "stack_members",
+]
+
+_STEP = jax.tree_util.GetAttrKey("step")
+
+
+class PopulationError(ValueError):
+    """Members that cannot form a population, or a member that is not there.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, pztrain
+      >>> a = pztrain.TrainState.initial_state({"w": jnp.zeros(2)}, optax.sgd(0.1),
+      ...                                      jax.random.key(0))
+      >>> b = pztrain.TrainState.initial_state({"w": jnp.zeros(3)}, optax.sgd(0.1),
+      ...                                      jax.random.key(1))
+      >>> try:
+      ...     stack_members([a, b])
+      ... except PopulationError as e:
+      ...     print(e)  # doctest: +ELLIPSIS
+      Member 1 differs from member 0 at .params['w']: float32[3] against float32[2]...
+    """
+
+
+def population_size(state: TrainState) -> int | None:
+    """The number of members of ``state``, or ``None`` for a single run.
+
+    Read from the root key: one key per member (a leading axis on a typed key
+    array, or on the ``uint32`` rows of legacy keys).
+    """
+    return member_count(state.root_rng)
+
+
+def stack_members(states: Sequence[TrainState]) -> TrainState:
+    """One population from ``K`` single states: every array stacked on a new
+    leading member axis, the step kept (all members must be at the same step).
+
+    The population runs member 0's optimizer definition (each call of an optax
+    constructor makes a new, equal object): what differs between members
+    must be injected hyperparameters (``optax.inject_hyperparams``), which live
+    in the optimizer state. Optimizers whose states differ are refused.
+
+    Raises:
+      PopulationError: for no states, a population among them, or members whose
+        structure (model, optimizer, fields), leaf shapes or dtypes or step
+        differ from member 0's; the message names the member and the leaf.
+    """
+    states = list(states)
+    if not states:
+        raise PopulationError("stack_members needs at least one state; got none.")
+    for i, state in enumerate(states):
+        if not isinstance(state, TrainState):
+            raise PopulationError(
+                f"Member {i} is a {type(state).__name__}, not a TrainState."
+            )
+        if population_size(state) is not None:
+            raise PopulationError(
+                f"Member {i} is already a population of {population_size(state)}; "
+                "take it apart with members(state) first."
+            )
+        state.check_not_donated("stack_members")
+    # One optimizer for all: each init call makes its own (equal) transformation.
+    optimizer_def = states[0].optimizer_def
+    states = [s.replace(optimizer_def=optimizer_def) for s in states]
+    _check_alike(states)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, *xs: xs[0] if path[0] == _STEP else jnp.stack(xs), *states
+    )
+
+
+def _check_alike(states: list[TrainState]) -> None:
+    """Refuses members unlike member 0, naming the member and the leaf."""
+    first, first_def = _leaves(states[0])
+    steps = {int(s.step) for s in states}
+    for i, state in enumerate(states[1:], start=1):
+        leaves, treedef = _leaves(state)
+        if treedef != first_def:
+            raise PopulationError(
+                f"Member {i}'s structure differs from member 0's (another model "
+                "structure, optimizer, loss-function state or TrainState type): "
+                "members of a population share everything but their arrays' "
+                f"values.\nmember 0: {first_def}\nmember {i}: {treedef}"
+            )
+        for (path, a), (_, b) in zip(first, leaves, strict=True):
+            if np.shape(a) != np.shape(b) or _dtype(a) != _dtype(b):
+                raise PopulationError(
+                    f"Member {i} differs from member 0 at "
+                    f"{jax.tree_util.keystr(path)}: {describe(b)} against "
+                    f"{describe(a)}. Members need equal shapes and dtypes."
+                )
+    if len(steps) > 1:
+        raise PopulationError(
+            f"Members are at different steps {sorted(steps)}: a population steps "
+            "together. Start them at one step (e.g. state.replace(step=...))."
+        )
+
+
+def _leaves(state: TrainState):
+    return jax.tree_util.tree_flatten_with_path(state)
+
+
+def _dtype(x: Any) -> Any:
+    dtype = getattr(x, "dtype", None)
+    return np.result_type(x) if dtype is None else dtype
+
+
+def member(state: TrainState, i: int) -> TrainState:
+    """Member ``i`` of a population: an ordinary `TrainState` (every array's
+    slice ``i``, the step shared) that every other API takes (`pztrain.fit`,
+    `pztrain.evaluate`, `pztrain.save_params`, ``state.summary()``, …).
+
+    Raises:
+      PopulationError: if ``state`` is not a population or ``i`` is not one of
+        its members.
+    """
+    size = _size_of(state, "member(state, i)")
+    if isinstance(i, bool) or not isinstance(i, int | np.integer) or not -size <= i < size:
+        raise PopulationError(
+            f"member(state, {i!r}): the population has {size} members "
+            f"(0 to {size - 1})."
+        )
+    state.check_not_donated("member(state, i)")
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x if path[0] == _STEP else x[i], state
+    )
+
+
+def members(state: TrainState) -> list[TrainState]:
+    """Every member of a population, in order (see `member`)."""
+    return [member(state, i) for i in range(_size_of(state, "members(state)"))]
+
+
+def _size_of(state: TrainState, where: str) -> int:
+    size = population_size(state)
+    if size is None:
+        raise PopulationError(
+            f"{where} takes a population (a TrainState with one root key per "
+            "member, e.g. from make_population); got a single run's state."
+        )
+    return size
+
+
+def make_population(
+    init: Callable[[int], TrainState],
+    *,
+    seeds: Iterable[int],
+    **hyperparams: Any,
+) -> TrainState:
+    """A population: member ``i`` is ``init(seeds[i])``, with per-member values
+    of injected hyperparameters (``learning_rate=[...]``, one per member).
+
+    ``init`` builds one run's state from a seed (its model, optimizer and root
+    key), as for a single run: every family of model works. Hyperparameters set
+    here must be injected by the optimizer (``optax.inject_hyperparams``);
+    anything else that differs between members (dropout rate, weight decay,
+    EMA decay) can be too, or can live in the loss-function state.
+
+    Args:
+      init: ``seed -> TrainState``.
+      seeds: One seed (a Python int) per member.
+      **hyperparams: Name → one value per member (a list or a 1-D array).
+
+    Returns:
+      A `TrainState` with a leading member axis (see the module's docstring).
+
+    Raises:
+      PopulationError: for members that differ in structure or shape, and for
+        a hyperparameter with the wrong number of values.
+      ValueError: for a hyperparameter the optimizer does not inject.
+    """
+    seeds = [int(s) for s in seeds]
+    for name, values in hyperparams.items():
+        if np.ndim(values) != 1 or len(values) != len(seeds):
+            raise PopulationError(
+                f"Hyperparameter {name!r} needs one value per member ({len(seeds)} "
+                f"seeds); got {np.shape(values)} values."
+            )
+    population = stack_members([init(seed) for seed in seeds])
+    if not hyperparams:
+        return population
+    return set_member_hyperparams(population, **hyperparams)
+
+
+def set_member_hyperparams(state: TrainState, **values: Any) -> TrainState:
+    """A population with injected hyperparameters set, one value per member
+    (as `pztrain.TrainState.with_hyperparams` does for one run)."""
+    size = _size_of(state, "set_member_hyperparams(state, ...)")
+    stored = state.hyperparams
+    arrays = {}
+    for name, value in values.items():
+        array = np.asarray(value)
+        if array.shape != (size,):
+            raise PopulationError(
+                f"Hyperparameter {name!r} needs one value per member, shape "
+                f"({size},); got shape {array.shape}."
+            )
+        dtype = stored[name].dtype if name in stored else array.dtype
+        arrays[name] = jnp.asarray(array, dtype)
+    return state.with_hyperparams(**arrays)
+
+
+def shard_members(state: TrainState, mesh: Mesh, axis: str = "members") -> TrainState:
+    """The population placed on ``mesh`` with its members split over ``axis``
+    (every array's leading axis; the step replicated): a train step built
+    without ``mesh=`` then runs each device's members where they are.
+
+    Raises:
+      PopulationError: if ``state`` is not a population, or its size is not a
+        multiple of the axis's size.
+    """
+    size = _size_of(state, "shard_members(state, mesh)")
+    devices = mesh.shape[axis]
+    if size % devices:
+        raise PopulationError(
+            f"shard_members: {size} members do not split evenly over mesh axis "
+            f"{axis!r} of {devices} devices."
+        )
+    split = NamedSharding(mesh, PartitionSpec(axis))
+    whole = NamedSharding(mesh, PartitionSpec())
+
+    def place(path, x):
+        if path[0] == _STEP or np.ndim(x) == 0:
+            return jax.device_put(x, whole)
+        return jax.device_put(x, split)
+
+    return jax.tree_util.tree_map_with_path(place, state)

@@ -1,0 +1,66 @@
+"""A population's programs: a step's pure function mapped over the members.
+
+One ``jax.vmap`` inside the jit: the params, optimizer and loss-function states,
+metric sums, root keys and the rest's arrays carry the member axis; the step
+counter is shared (members step together), and the batch is shared by every
+member or, with ``member_batches``, one per member (a leading axis ``K``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from pztrain._tree import named_leaves
+from pztrain.data._batch import BatchError
+from pztrain.step._types import Carry, Inputs
+
+__all__ = ["over_members"]
+
+_CARRY_AXES = Carry(None, 0, 0, 0, 0)  # the step counter is shared
+
+
+def over_members(
+    run: Callable[[Carry, Inputs], Any],
+    members: int,
+    member_batches: bool,
+    train: bool = False,
+) -> Callable[[Carry, Inputs], Any]:
+    """``run`` (``(carry, inputs) -> out``) for ``members`` members at once.
+
+    A train function's outputs (``(carry, new_rest, aux)``) keep the shared
+    step counter; any other function's outputs all get the member axis.
+    """
+    in_axes = (_CARRY_AXES, Inputs(0, 0, 0 if member_batches else None))
+    out_axes = (_CARRY_AXES, 0, 0) if train else 0
+    mapped = jax.vmap(run, in_axes=in_axes, out_axes=out_axes)
+
+    def population_run(carry: Carry, inputs: Inputs) -> Any:
+        if member_batches:
+            check_member_batch(inputs.batch, members)
+        return mapped(carry, inputs)
+
+    return population_run
+
+
+def check_member_batch(batch: Any, members: int) -> None:
+    """Refuses a per-member batch whose leaves' leading axis is not ``members``
+    (checked while tracing: no cost per call)."""
+    if not isinstance(batch, Mapping):
+        raise BatchError(
+            "member_batches=True takes one batch per member as a dict of arrays "
+            f"with a leading member axis; got {type(batch).__name__}. Give a "
+            "dict, or build the step without member_batches to share the batch."
+        )
+    for name, leaf in named_leaves(batch):
+        shape = np.shape(leaf)
+        if not shape or shape[0] != members:
+            raise BatchError(
+                f"With member_batches=True every batch leaf has a leading member "
+                f"axis of {members} (the population's size); got {name!r} of "
+                f"shape {tuple(shape)}. Stack one batch per member on axis 0, or "
+                "build the step without member_batches to share one batch."
+            )
