@@ -25,7 +25,8 @@ def member_count(root_rng: Any) -> int | None:
 
     Example:
       >>> import jax
-      >>> member_count(jax.random.key(0)), member_count(jax.random.split(jax.random.key(0), 3))
+      >>> keys = jax.random.split(jax.random.key(0), 3)
+      >>> member_count(jax.random.key(0)), member_count(keys)
       (None, 3)
     """
     shape = np.shape(root_rng)
@@ -46,8 +47,9 @@ def spread(name: str, value: Any) -> dict[str, float]:
 
     Example:
       >>> import numpy as np
-      >>> spread("loss", np.array([1.0, 3.0]))
-      {'loss': 2.0, 'loss/min': 1.0, 'loss/max': 3.0, 'loss/member_0': 1.0, 'loss/member_1': 3.0}
+      >>> spread("loss", np.array([1.0, 3.0]))  # doctest: +NORMALIZE_WHITESPACE
+      {'loss': 2.0, 'loss/min': 1.0, 'loss/max': 3.0,
+       'loss/member_0': 1.0, 'loss/member_1': 3.0}
     """
     array = np.asarray(value, dtype=np.float64)
     if array.ndim == 0:

@@ -138,9 +138,7 @@ def _read_members(names: tuple[str, ...], packed: np.ndarray) -> Summary:
     n = len(names)
     count = int(packed[0, n])
     nonfinite = int(packed[:, n + 1].max())
-    firsts = [
-        int(hi) * 65536 + int(lo) for hi, lo in packed[:, n + 2 :] if hi >= 0
-    ]
+    firsts = [int(hi) * 65536 + int(lo) for hi, lo in packed[:, n + 2 :] if hi >= 0]
     means: dict[str, float] = {}
     for i, name in enumerate(names):
         means.update(spread(name, packed[:, i] / max(count, 1)))

@@ -179,7 +179,8 @@ def member(state: TrainState, i: int) -> TrainState:
         its members.
     """
     size = _size_of(state, "member(state, i)")
-    if isinstance(i, bool) or not isinstance(i, int | np.integer) or not -size <= i < size:
+    integer = isinstance(i, int | np.integer) and not isinstance(i, bool)
+    if not integer or not -size <= i < size:
         raise PopulationError(
             f"member(state, {i!r}): the population has {size} members "
             f"(0 to {size - 1})."

@@ -12,6 +12,7 @@ import optax
 from penzai import pz
 
 from pztrain import partition
+from pztrain._members import member_count
 from pztrain._optax import (
     check_optimizer,
     injected_hyperparams,
@@ -20,7 +21,6 @@ from pztrain._optax import (
 )
 from pztrain.ema import ema_params_of
 from pztrain.state import _flax
-from pztrain._members import member_count
 from pztrain.state._donation import DonatedStateError, check_alive
 from pztrain.state._parts import (
     check_grads,

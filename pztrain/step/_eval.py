@@ -158,7 +158,8 @@ def build_eval_step(
     if not isinstance(ema, bool):
         raise TypeError(f"ema must be True or False; got {ema!r}.")
     if not isinstance(member_batches, bool):
-        raise TypeError(f"member_batches must be True or False; got {member_batches!r}.")
-    return EvalStep(
-        eval_fn, jit=jit, mode=checked_mode(mode), ema=ema, member_batches=member_batches
-    )
+        raise TypeError(
+            f"member_batches must be True or False; got {member_batches!r}."
+        )
+    mode = checked_mode(mode)
+    return EvalStep(eval_fn, jit=jit, mode=mode, ema=ema, member_batches=member_batches)
