@@ -21,7 +21,8 @@ __all__ = ["member_count", "member_key", "spread"]
 
 def member_count(root_rng: Any) -> int | None:
     """Members of a state whose root key is ``root_rng``: ``None`` for one run
-    (a scalar typed key, or a legacy ``uint32[2]`` key), else its leading axis.
+    (a scalar typed key, or a legacy ``uint32[2]`` key; or anything that is not
+    an array), else its leading axis.
 
     Example:
       >>> import jax
@@ -29,8 +30,11 @@ def member_count(root_rng: Any) -> int | None:
       >>> member_count(jax.random.key(0)), member_count(keys)
       (None, 3)
     """
+    dtype = getattr(root_rng, "dtype", None)
+    if dtype is None:  # not a key (e.g. a tree of shardings shaped as a state)
+        return None
     shape = np.shape(root_rng)
-    if jnp.issubdtype(root_rng.dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         return shape[0] if len(shape) == 1 else None
     return shape[0] if len(shape) == 2 else None
 

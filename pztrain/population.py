@@ -92,6 +92,14 @@ def population_size(state: TrainState) -> int | None:
 
     Read from the root key: one key per member (a leading axis on a typed key
     array, or on the ``uint32`` rows of legacy keys).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, pztrain
+      >>> def init(seed):
+      ...     return pztrain.TrainState.initial_state(
+      ...         {"w": jnp.zeros(2)}, optax.sgd(0.1), jax.random.key(seed))
+      >>> population_size(init(0)), population_size(make_population(init, seeds=[1, 2]))
+      (None, 2)
     """
     return member_count(state.root_rng)
 
@@ -109,6 +117,15 @@ def stack_members(states: Sequence[TrainState]) -> TrainState:
       PopulationError: for no states, a population among them, or members whose
         structure (model, optimizer, fields), leaf shapes or dtypes or step
         differ from member 0's; the message names the member and the leaf.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, pztrain
+      >>> states = [pztrain.TrainState.initial_state(
+      ...     {"w": jnp.full(2, float(i))}, optax.sgd(0.1), jax.random.key(i))
+      ...     for i in range(3)]
+      >>> pop = stack_members(states)
+      >>> pop.params["w"].tolist(), pop.step.shape
+      ([[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]], ())
     """
     states = list(states)
     if not states:
@@ -177,6 +194,16 @@ def member(state: TrainState, i: int) -> TrainState:
     Raises:
       PopulationError: if ``state`` is not a population or ``i`` is not one of
         its members.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, pztrain
+      >>> def init(seed):
+      ...     return pztrain.TrainState.initial_state(
+      ...         {"w": jnp.full(2, float(seed))}, optax.sgd(0.1), jax.random.key(seed))
+      >>> pop = make_population(init, seeds=[5, 6, 7])
+      >>> one = member(pop, 1)
+      >>> one.params["w"].tolist(), pztrain.population_size(one)
+      ([6.0, 6.0], None)
     """
     size = _size_of(state, "member(state, i)")
     integer = isinstance(i, int | np.integer) and not isinstance(i, bool)
@@ -192,7 +219,17 @@ def member(state: TrainState, i: int) -> TrainState:
 
 
 def members(state: TrainState) -> list[TrainState]:
-    """Every member of a population, in order (see `member`)."""
+    """Every member of a population, in order (see `member`).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, pztrain
+      >>> def init(seed):
+      ...     return pztrain.TrainState.initial_state(
+      ...         {"w": jnp.full(2, float(seed))}, optax.sgd(0.1), jax.random.key(seed))
+      >>> pop = make_population(init, seeds=[3, 4])
+      >>> [float(m.params["w"][0]) for m in members(pop)]
+      [3.0, 4.0]
+    """
     return [member(state, i) for i in range(_size_of(state, "members(state)"))]
 
 
@@ -233,6 +270,17 @@ def make_population(
       PopulationError: for members that differ in structure or shape, and for
         a hyperparameter with the wrong number of values.
       ValueError: for a hyperparameter the optimizer does not inject.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, pztrain
+      >>> def init(seed):
+      ...     tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+      ...     w = jax.random.normal(jax.random.key(seed), (4,))
+      ...     key = jax.random.key(seed)
+      ...     return pztrain.TrainState.initial_state({"w": w}, tx, key)
+      >>> pop = make_population(init, seeds=range(3), learning_rate=[0.5, 0.25, 0.125])
+      >>> pop.hyperparams["learning_rate"].tolist()
+      [0.5, 0.25, 0.125]
     """
     seeds = [int(s) for s in seeds]
     for name, values in hyperparams.items():
@@ -249,7 +297,20 @@ def make_population(
 
 def set_member_hyperparams(state: TrainState, **values: Any) -> TrainState:
     """A population with injected hyperparameters set, one value per member
-    (as `pztrain.TrainState.with_hyperparams` does for one run)."""
+    (as `pztrain.TrainState.with_hyperparams` does for one run: the new state
+    owns its arrays).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, pztrain
+      >>> def init(seed):
+      ...     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+      ...     return pztrain.TrainState.initial_state(
+      ...         {"w": jnp.zeros(2)}, tx, jax.random.key(seed))
+      >>> pop = make_population(init, seeds=range(2))
+      >>> pop = set_member_hyperparams(pop, learning_rate=[0.5, 0.25])
+      >>> pop.hyperparams["learning_rate"].tolist()
+      [0.5, 0.25]
+    """
     size = _size_of(state, "set_member_hyperparams(state, ...)")
     stored = state.hyperparams
     arrays = {}
@@ -273,6 +334,16 @@ def shard_members(state: TrainState, mesh: Mesh, axis: str = "members") -> Train
     Raises:
       PopulationError: if ``state`` is not a population, or its size is not a
         multiple of the axis's size.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, pztrain
+      >>> def init(seed):
+      ...     return pztrain.TrainState.initial_state(
+      ...         {"w": jnp.zeros(2)}, optax.sgd(0.1), jax.random.key(seed))
+      >>> mesh = jax.make_mesh((1,), ("members",))
+      >>> pop = shard_members(make_population(init, seeds=range(2)), mesh)
+      >>> pop.params["w"].sharding.spec == jax.P("members")
+      True
     """
     size = _size_of(state, "shard_members(state, mesh)")
     devices = mesh.shape[axis]

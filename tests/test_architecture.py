@@ -139,6 +139,7 @@ def test_the_leaf_modules_import_nothing_above_them():
 ROOMS = [
     "pztrain._version",
     "pztrain._tree",
+    "pztrain._members",
     "pztrain.records",
     "pztrain._optax",
     "pztrain._table",
@@ -149,6 +150,7 @@ ROOMS = [
     "pztrain.metrics",
     "pztrain.summary",
     "pztrain.state",
+    "pztrain.population",
     "pztrain.sharding",
     "pztrain.step",
     "pztrain.precision",

@@ -35,6 +35,7 @@ MODULES = [
     "pztrain.metrics",
     "pztrain.monitors",
     "pztrain.partition",
+    "pztrain.population",
     "pztrain.precision",
     "pztrain.records",
     "pztrain.sharding",
