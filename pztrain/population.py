@@ -321,8 +321,10 @@ def set_member_hyperparams(state: TrainState, **values: Any) -> TrainState:
                 f"Hyperparameter {name!r} needs one value per member, shape "
                 f"({size},); got shape {array.shape}."
             )
-        dtype = stored[name].dtype if name in stored else array.dtype
-        arrays[name] = jnp.asarray(array, dtype)
+        # an unknown name is refused by with_hyperparams, naming the known ones
+        arrays[name] = (
+            jnp.asarray(array, stored[name].dtype) if name in stored else array
+        )
     return state.with_hyperparams(**arrays)
 
 

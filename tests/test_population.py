@@ -1,0 +1,324 @@
+"""Populations: K runs trained as one program equal K separate runs (within the
+float rounding of batched matmuls), through the step, fit and evaluation; bad
+members and bad per-member input are refused by name."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pztrain
+from pztrain.population import set_member_hyperparams
+
+LRS = [0.003, 0.01, 0.03, 0.1]
+
+
+def loss_fn(*, model, state, rng, x, y):
+    drop = jax.random.bernoulli(rng, 0.9, (x.shape[0],))  # the member's key matters
+    pred = jnp.tanh(x @ model["w1"]) @ model["w2"]
+    loss = jnp.sum(drop * (pred - y) ** 2) / x.shape[0]
+    return loss, state + 1, {"loss": loss, "acc": jnp.mean(jnp.abs(pred - y) < 0.3)}
+
+
+def eval_fn(*, model, state, rng, x, y):
+    pred = jnp.tanh(x @ model["w1"]) @ model["w2"]
+    return {"mse": jnp.mean((pred - y) ** 2)}
+
+
+def init(seed):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = {
+        "w1": jax.random.normal(k1, (3, 8)) * 0.5,
+        "w2": jax.random.normal(k2, (8,)) * 0.5,
+    }
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.01)
+    return pztrain.TrainState.initial_state(
+        params, tx, jax.random.key(seed + 50), loss_fn_state=jnp.zeros((), jnp.int32)
+    )
+
+
+def solo(seed, lr):
+    return init(seed).with_hyperparams(learning_rate=lr)
+
+
+RNG = np.random.RandomState(0)
+X = RNG.randn(64, 3).astype(np.float32)
+Y = np.sin(X[:, 0]).astype(np.float32)
+
+
+def population():
+    return pztrain.make_population(init, seeds=range(4), learning_rate=LRS)
+
+
+def assert_member_equals(pop, i, state, rtol=2e-4):
+    one = pztrain.member(pop, i)
+    assert int(one.step) == int(state.step)
+    assert int(one.loss_fn_state) == int(state.loss_fn_state)
+    for name in state.params:
+        np.testing.assert_allclose(
+            one.params[name], state.params[name], rtol=rtol, atol=1e-5
+        )
+
+
+def test_make_population_stacks_members_and_sets_their_rates():
+    pop = population()
+    assert pztrain.population_size(pop) == 4
+    assert pop.step.shape == ()
+    assert pop.params["w1"].shape == (4, 3, 8)
+    np.testing.assert_allclose(pop.hyperparams["learning_rate"], LRS, rtol=1e-6)
+    for i in range(4):
+        one = pztrain.member(pop, i)
+        np.testing.assert_array_equal(one.params["w1"], init(i).params["w1"])
+        assert jax.random.key_data(one.root_rng).tolist() == (
+            jax.random.key_data(init(i).root_rng).tolist()
+        )
+
+
+def test_population_step_equals_separate_runs():
+    step = pztrain.build_train_step(loss_fn)
+    pop = population()
+    for _ in range(5):
+        pop, aux = step(pop, x=X, y=Y)
+    assert aux["loss"].shape == (4,)
+    single = pztrain.build_train_step(loss_fn)
+    for i, lr in enumerate(LRS):
+        state = solo(i, lr)
+        for _ in range(5):
+            state, solo_aux = single(state, x=X, y=Y)
+        assert_member_equals(pop, i, state)
+        np.testing.assert_allclose(aux["loss"][i], solo_aux["loss"], rtol=2e-4)
+
+
+def test_members_differ_by_key_and_rate():
+    """The check above could fail: members with each other's key or rate differ."""
+    step = pztrain.build_train_step(loss_fn)
+    pop, _ = step(population(), x=X, y=Y)
+    a, b = pztrain.member(pop, 0), pztrain.member(pop, 1)
+    assert not np.allclose(a.params["w1"], b.params["w1"])
+
+
+def test_fused_microbatched_and_accumulated_population_steps():
+    two = {"x": np.stack([X, X]), "y": np.stack([Y, Y])}
+    fused = pztrain.build_train_step(loss_fn, steps_per_call=2, microbatches=2)
+    plain = pztrain.build_train_step(loss_fn, microbatches=2)
+    pop, aux = fused(population(), **two)
+    assert aux["loss"].shape == (4, 2)
+    ref = population()
+    for _ in range(2):
+        ref, _ = plain(ref, x=X, y=Y)
+    for i in range(4):
+        assert_member_equals(pop, i, pztrain.member(ref, i), rtol=1e-5)
+    sums = plain.metric_sums(population(), x=X, y=Y)
+    assert sums.packed.shape[0] == 4
+    acc_pop, sums = plain.accumulate(population(), sums, x=X, y=Y, calls=2)
+    summary = sums.read()
+    assert summary.count == 2
+    assert set(summary.means) >= {"loss", "loss/min", "loss/max", "loss/member_3"}
+    for i in range(4):
+        assert_member_equals(acc_pop, i, pztrain.member(ref, i), rtol=1e-5)
+
+
+def test_one_batch_per_member():
+    step = pztrain.build_train_step(loss_fn, member_batches=True)
+    xs = np.stack([X * (i + 1) for i in range(4)])
+    ys = np.stack([Y] * 4)
+    pop, _ = step(population(), x=xs, y=ys)
+    single = pztrain.build_train_step(loss_fn)
+    for i, lr in enumerate(LRS):
+        state, _ = single(solo(i, lr), x=xs[i], y=ys[i])
+        assert_member_equals(pop, i, state)
+
+
+def test_eval_step_per_member_and_member_batches():
+    pop = population()
+    mse = pztrain.build_eval_step(eval_fn)(pop, x=X, y=Y)["mse"]
+    each = pztrain.build_eval_step(eval_fn)
+    for i in range(4):
+        np.testing.assert_allclose(mse[i], each(init(i), x=X, y=Y)["mse"], rtol=1e-5)
+    per = pztrain.build_eval_step(eval_fn, member_batches=True)
+    xs = np.stack([X[:8]] * 4)
+    assert per(pop, x=xs, y=np.stack([Y[:8]] * 4))["mse"].shape == (4,)
+
+
+def test_population_compiles_once_and_donates():
+    traces = []
+
+    def counted(**kw):
+        traces.append(1)
+        return loss_fn(**kw)
+
+    step = pztrain.build_train_step(counted)
+    pop = population()
+    old = pop
+    for _ in range(3):
+        pop, _ = step(pop, x=X, y=Y)
+    assert len(traces) == 1
+    with pytest.raises(pztrain.DonatedStateError):
+        step(old, x=X, y=Y)
+
+
+def test_fit_logs_every_member_and_their_mean(tmp_path):
+    data = pztrain.ArrayLoader({"x": X, "y": Y}, batch_size=16, seed=0)
+    step = pztrain.build_train_step(loss_fn)
+    pop, history = pztrain.fit(
+        population(),
+        step,
+        data,
+        num_epochs=2,
+        eval_step=pztrain.build_eval_step(eval_fn),
+        eval_data=data,
+        log_every=4,
+        progress=False,
+        run_dir=tmp_path / "run",
+    )
+    train = [r for r in history.to_dicts() if r["split"] == "train"][-1]["metrics"]
+    losses = [train[f"loss/member_{i}"] for i in range(4)]
+    assert train["loss"] == pytest.approx(np.mean(losses))
+    assert train["loss/min"] == pytest.approx(min(losses))
+    assert train["learning_rate/member_2"] == pytest.approx(LRS[2])
+    evals = [r for r in history.to_dicts() if r["split"] == "eval"][-1]["metrics"]
+    for i, lr in enumerate(LRS):  # each member's fit equals a fit of that run
+        state, solo_history = pztrain.fit(
+            solo(i, lr),
+            step,
+            data,
+            num_epochs=2,
+            eval_step=pztrain.build_eval_step(eval_fn),
+            eval_data=data,
+            log_every=4,
+            progress=False,
+        )
+        assert_member_equals(pop, i, state)
+        solo_eval = [r for r in solo_history.to_dicts() if r["split"] == "eval"][-1]
+        assert evals[f"mse/member_{i}"] == pytest.approx(
+            solo_eval["metrics"]["mse"], rel=1e-4
+        )
+
+
+def test_members_that_differ_are_refused_by_name():
+    other = pztrain.TrainState.initial_state(
+        {"w1": jnp.zeros((3, 9)), "w2": jnp.zeros(9)},
+        optax.inject_hyperparams(optax.adam)(learning_rate=0.01),
+        jax.random.key(0),
+        loss_fn_state=jnp.zeros((), jnp.int32),
+    )
+    with pytest.raises(
+        pztrain.PopulationError,
+        match=re.escape(
+            "Member 1 differs from member 0 at .params['w1']: float32[3, 9] against "
+            "float32[3, 8]"
+        ),
+    ):
+        pztrain.stack_members([init(0), other])
+    sgd = pztrain.TrainState.initial_state(
+        init(0).params,
+        optax.sgd(0.1),
+        jax.random.key(0),
+        loss_fn_state=jnp.zeros((), jnp.int32),
+    )
+    with pytest.raises(pztrain.PopulationError, match="Member 1's structure differs"):
+        pztrain.stack_members([init(0), sgd])
+    later = init(1).replace(step=jnp.asarray(3, jnp.int32))
+    with pytest.raises(
+        pztrain.PopulationError, match=re.escape("different steps [0, 3]")
+    ):
+        pztrain.stack_members([init(0), later])
+    with pytest.raises(pztrain.PopulationError, match="already a population"):
+        pztrain.stack_members([population()])
+
+
+def test_bad_member_and_hyperparameter_input():
+    pop = population()
+    with pytest.raises(
+        pztrain.PopulationError,
+        match=re.escape("member(state, 4): the population has 4 members (0 to 3)."),
+    ):
+        pztrain.member(pop, 4)
+    with pytest.raises(pztrain.PopulationError, match="got a single run's state"):
+        pztrain.member(init(0), 0)
+    with pytest.raises(
+        pztrain.PopulationError,
+        match=re.escape(
+            "Hyperparameter 'learning_rate' needs one value per member (4 seeds); "
+            "got (3,)"
+        ),
+    ):
+        pztrain.make_population(init, seeds=range(4), learning_rate=[0.1] * 3)
+    with pytest.raises(
+        ValueError, match=re.escape("Unknown hyperparameter(s) ['momentum']")
+    ):
+        pztrain.make_population(init, seeds=range(2), momentum=[0.9, 0.8])
+    with pytest.raises(
+        pztrain.PopulationError, match=re.escape("shape (4,); got shape (2,)")
+    ):
+        set_member_hyperparams(pop, learning_rate=[0.1, 0.2])
+
+
+def test_a_per_member_batch_of_the_wrong_size_is_refused():
+    step = pztrain.build_train_step(loss_fn, member_batches=True)
+    with pytest.raises(
+        pztrain.BatchError,
+        match=re.escape(
+            "every batch leaf has a leading member axis of 4 (the population's size); "
+            "got 'x' of shape (3, 64, 3)"
+        ),
+    ):
+        step(population(), x=np.stack([X] * 3), y=np.stack([Y] * 4))
+
+
+def test_population_inside_the_users_own_scan():
+    step = pztrain.build_train_step(loss_fn)
+    pop, aux = jax.lax.scan(
+        lambda s, _: step(s, x=X, y=Y), population(), None, length=3
+    )
+    assert aux["loss"].shape == (3, 4)
+    ref = population()
+    for _ in range(3):
+        ref, _ = step(ref, x=X, y=Y)
+    for i in range(4):
+        assert_member_equals(pop, i, pztrain.member(ref, i), rtol=1e-5)
+
+
+MESH_SCRIPT = textwrap.dedent(
+    """
+    import jax, numpy as np
+    from tests.test_population import population, loss_fn, X, Y
+    import pztrain
+    from pztrain.population import shard_members
+    mesh = jax.make_mesh((4,), ("members",))
+    step = pztrain.build_train_step(loss_fn)
+    pop = shard_members(population(), mesh)
+    ref = population()
+    for _ in range(3):
+        pop, aux = step(pop, x=X, y=Y)
+        ref, _ = step(ref, x=X, y=Y)
+    w = pop.params["w1"]
+    assert len(w.sharding.device_set) == 4, w.sharding
+    assert w.addressable_shards[0].data.shape == (1, 3, 8)
+    np.testing.assert_allclose(w, ref.params["w1"], rtol=1e-5, atol=1e-6)
+    print("ok", aux["loss"].shape)
+    """
+)
+
+
+@pytest.mark.slow
+def test_members_split_over_a_mesh_axis():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", MESH_SCRIPT],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ok (4,)" in out.stdout
