@@ -27,6 +27,7 @@ from pztrain.callbacks import (
     EarlyStopping,
     LearningRateMonitor,
     NanPolicy,
+    PopulationBasedTraining,
     ProgressBar,
 )
 from pztrain.checkpoint import (
@@ -98,6 +99,7 @@ __all__ = [
     "NanPolicy",
     "ParamSlot",
     "PartitionError",
+    "PopulationBasedTraining",
     "PopulationError",
     "ProgressBar",
     "ShardingError",

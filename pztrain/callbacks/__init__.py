@@ -9,6 +9,7 @@ where the loop is already on the host: a callback adds no device sync of its own
 * `pztrain.callbacks._learning_rate`: `LearningRateMonitor`;
 * `pztrain.callbacks._nan_policy`: `NanPolicy`;
 * `pztrain.callbacks._progress`: `ProgressBar`;
+* `pztrain.callbacks._pbt`: `PopulationBasedTraining` (populations);
 * `pztrain.callbacks._bar`: the bar's tqdm helpers (tqdm is an optional extra).
 """
 
@@ -16,6 +17,7 @@ from pztrain.callbacks._base import Callback, record_only
 from pztrain.callbacks._early_stopping import EarlyStopping
 from pztrain.callbacks._learning_rate import LearningRateMonitor
 from pztrain.callbacks._nan_policy import NanPolicy
+from pztrain.callbacks._pbt import PopulationBasedTraining
 from pztrain.callbacks._progress import ProgressBar
 from pztrain.records import Stop
 
@@ -24,6 +26,7 @@ __all__ = [
     "EarlyStopping",
     "LearningRateMonitor",
     "NanPolicy",
+    "PopulationBasedTraining",
     "ProgressBar",
     "Stop",
     "record_only",
