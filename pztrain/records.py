@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -193,7 +194,9 @@ class History:
         One axes per metric: a train metric and the eval metric of the same name
         share one (with the EMA's, ``"ema/<name>"``: `pztrain.with_ema`), the
         learning rate has its own, and the per-parameter grad norms
-        (``"grad_norm/<param>"``) share one, a line per parameter.
+        (``"grad_norm/<param>"``) share one, a line per parameter. For a
+        population (`pztrain.population`) a metric's panel has a thin line per
+        member (``"loss/member_<i>"``) under its mean, drawn bold.
 
         Args:
           names: Metrics to plot: ``"loss"`` (train and eval) or
@@ -215,6 +218,16 @@ class History:
           >>> [ax.get_title() for ax in fig.axes]
           ['loss']
           >>> import matplotlib.pyplot as plt; plt.close(fig)
+
+          A population's history: one line per member, and the mean.
+
+          >>> pop = History([{"step": s, "split": "train", "metrics": {
+          ...     "loss": 1.5 / s, "loss/member_0": 1.0 / s, "loss/member_1": 2.0 / s}}
+          ...     for s in (1, 2)])
+          >>> fig = pop.plot()
+          >>> [line.get_label() for line in fig.axes[0].lines]
+          ['train members', '_nolegend_', 'train']
+          >>> plt.close(fig)
         """
         try:
             import matplotlib.pyplot as plt
@@ -231,10 +244,12 @@ class History:
         for i, (title, lines) in enumerate(panels.items()):
             ax = fig.add_subplot(rows, cols, i + 1)
             for s, name, label in lines:
+                member = _SPREAD.search(name) is not None
                 ax.plot(
                     *self.series(name, s),
                     label=label,
-                    marker="." if s == "eval" else "",
+                    marker="." if s == "eval" and not member else "",
+                    **(_MEMBER_LINE if member else {}),
                 )
             ax.set_title(title)
             ax.set_xlabel("step")
@@ -248,13 +263,19 @@ class History:
             raise ValueError(f"split must be 'train', 'eval' or None; got {split!r}.")
         splits = ("train", "eval") if split is None else (split,)
         logged = {s: self.metric_names(s) for s in splits}
-        wanted = sorted(set().union(*logged.values())) if names is None else names
+        every = {_SPREAD.sub("", n) for n in set().union(*logged.values())}
+        wanted = sorted(every) if names is None else names
         panels: dict[str, list[tuple[str, str, str]]] = {}
         for entry in [wanted] if isinstance(wanted, str) else wanted:
             first, _, rest = entry.partition("/")
             only = first if rest and first in ("train", "eval") else None
             name = rest if only else entry
-            found = [s for s in splits if name in logged[s] and only in (None, s)]
+            found = [
+                s
+                for s in splits
+                if (name in logged[s] or _members_of(name, logged[s]))
+                and only in (None, s)
+            ]
             if not found:
                 raise ValueError(
                     f"History.plot: no {entry!r} among the logged metrics "
@@ -264,10 +285,25 @@ class History:
             title, label = _panel_of(name)
             lines = panels.setdefault(title, [])
             for s in found:
+                for i, member in enumerate(_members_of(name, logged[s])):
+                    tag = f"{s} members" if i == 0 else "_nolegend_"
+                    lines.append((s, member, tag))
                 line = (s, name, label.format(split=s))
-                if line not in lines:
+                if name in logged[s] and line not in lines:
                     lines.append(line)
         return panels
+
+
+# A population's spread of a metric (`pztrain._members.spread`): drawn as thin
+# lines on the metric's own panel, under its mean.
+_SPREAD = re.compile(r"/(member_\d+|min|max)$")
+_MEMBER_LINE = {"linewidth": 0.8, "alpha": 0.45}
+
+
+def _members_of(name: str, logged: Any) -> list[str]:
+    """The logged per-member entries of ``name``, in member order."""
+    found = [n for n in logged if n.startswith(f"{name}/member_")]
+    return sorted(found, key=lambda n: int(n.rpartition("_")[2]))
 
 
 def _panel_of(name: str) -> tuple[str, str]:
