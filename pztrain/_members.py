@@ -64,4 +64,4 @@ def spread(name: str, value: Any) -> dict[str, float]:
         f"{name}/max": float(array.max()),
     }
     out.update({member_key(name, i): float(v) for i, v in enumerate(array)})
-    return out
+    return out  # every entry but the mean matches pztrain.records.SPREAD

@@ -244,7 +244,7 @@ class History:
         for i, (title, lines) in enumerate(panels.items()):
             ax = fig.add_subplot(rows, cols, i + 1)
             for s, name, label in lines:
-                member = _SPREAD.search(name) is not None
+                member = SPREAD.search(name) is not None
                 ax.plot(
                     *self.series(name, s),
                     label=label,
@@ -263,7 +263,7 @@ class History:
             raise ValueError(f"split must be 'train', 'eval' or None; got {split!r}.")
         splits = ("train", "eval") if split is None else (split,)
         logged = {s: self.metric_names(s) for s in splits}
-        every = {_SPREAD.sub("", n) for n in set().union(*logged.values())}
+        every = {SPREAD.sub("", n) for n in set().union(*logged.values())}
         wanted = sorted(every) if names is None else names
         panels: dict[str, list[tuple[str, str, str]]] = {}
         for entry in [wanted] if isinstance(wanted, str) else wanted:
@@ -294,9 +294,10 @@ class History:
         return panels
 
 
-# A population's spread of a metric (`pztrain._members.spread`): drawn as thin
-# lines on the metric's own panel, under its mean.
-_SPREAD = re.compile(r"/(member_\d+|min|max)$")
+# The entries a population's metric has beside its mean (its members' values,
+# min and max: `pztrain._members.spread`); plots draw them as thin lines on the
+# metric's own panel, and the progress bar leaves them out.
+SPREAD = re.compile(r"/(member_\d+|min|max)$")
 _MEMBER_LINE = {"linewidth": 0.8, "alpha": 0.45}
 
 

@@ -139,8 +139,8 @@ def test_the_leaf_modules_import_nothing_above_them():
 ROOMS = [
     "pztrain._version",
     "pztrain._tree",
-    "pztrain._members",
     "pztrain.records",
+    "pztrain._members",
     "pztrain._optax",
     "pztrain._table",
     "pztrain.ema",

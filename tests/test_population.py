@@ -322,3 +322,62 @@ def test_members_split_over_a_mesh_axis():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ok (4,)" in out.stdout
+
+
+def test_progress_bar_shows_the_mean_and_the_members_range():
+    class Bar:
+        def __init__(self, **kw):
+            self.postfix = None
+
+        def set_postfix(self, postfix, refresh):
+            self.postfix = postfix
+
+    bar = pztrain.ProgressBar(make_bar=Bar)
+    info = pztrain.LoopInfo(
+        start_step=0,
+        end_step=10,
+        steps_per_epoch=None,
+        steps_per_call=1,
+        log_every=5,
+        evaluates=True,
+        run_dir=None,
+    )
+    bar.on_train_start(None, info)
+    metrics = {"loss": 0.31, "loss/min": 0.12, "loss/max": 0.55}
+    metrics.update({"loss/member_0": 0.12, "loss/member_1": 0.55, "lr": 0.1})
+    bar.on_log(None, {"step": 5, "metrics": metrics})
+    bar.on_eval_end(
+        None, {"step": 5, "metrics": {"acc": 0.9, "acc/min": 0.8, "acc/max": 1.0}}
+    )
+    assert bar.bar.postfix == {
+        "loss": "0.31 [0.12, 0.55]",
+        "lr": "0.1",
+        "eval/acc": "0.9 [0.8, 1]",
+    }
+
+
+def test_history_plot_draws_members_under_their_mean(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = pztrain.ArrayLoader({"x": X, "y": Y}, batch_size=16, seed=0)
+    _, history = pztrain.fit(
+        population(),
+        pztrain.build_train_step(loss_fn),
+        data,
+        num_steps=8,
+        log_every=4,
+        progress=False,
+    )
+    fig = history.plot(["loss", "learning_rate"])
+    loss_panel = fig.axes[0]
+    widths = [line.get_linewidth() for line in loss_panel.lines]
+    assert len(widths) == 5 and max(widths[:4]) < widths[4]  # 4 members, the mean
+    assert [ax.get_title() for ax in history.plot().axes] == [
+        "acc",
+        "learning_rate",
+        "loss",
+    ]
+    plt.close("all")

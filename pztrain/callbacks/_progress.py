@@ -7,8 +7,24 @@ from typing import Any
 
 from pztrain.callbacks._bar import fit_width, pace, restart_clock, tqdm_bar
 from pztrain.callbacks._base import Callback, record_only
+from pztrain.records import SPREAD
 
 __all__ = ["ProgressBar"]
+
+
+def _shown(metrics: dict[str, float], names: Any) -> dict[str, str]:
+    """The postfix of a record's metrics (``names`` only, if given). A
+    population's metric shows its mean and, in brackets, its members' range
+    (the best is one end): ``0.31 [0.12, 0.55]``; per-member values are left
+    out."""
+    shown = {}
+    for k, v in metrics.items():
+        if SPREAD.search(k) or (names is not None and k not in names):
+            continue
+        low, high = metrics.get(f"{k}/min"), metrics.get(f"{k}/max")
+        spread = "" if low is None or high is None else f" [{low:.3g}, {high:.3g}]"
+        shown[k] = f"{v:.4g}{spread}"
+    return shown
 
 
 class ProgressBar(Callback):
@@ -17,9 +33,11 @@ class ProgressBar(Callback):
     It paces itself: it asks the loop to stop by about every ``seconds`` of wall time at
     the step rate it has seen (ten times per log interval at first), moves there, and
     shows the last train metrics (the loss, the learning rate when logged) with the last
-    eval metrics. It reads nothing from the device. Its line stays within the terminal's
-    width (written to a pipe or a file: ``COLUMNS``, else 80 characters), and its rate
-    and ETA count from its first move, after the compile.
+    eval metrics; for a population, each metric's mean over the members and their
+    range, ``loss=0.31 [0.12, 0.55]``. It reads nothing from the device. Its line
+    stays within the terminal's width (written to a pipe or a file: ``COLUMNS``,
+    else 80 characters), and its rate and ETA count from its first move, after the
+    compile.
 
     Args:
       metrics: Names to show (default: all train metrics).
@@ -91,15 +109,12 @@ class ProgressBar(Callback):
 
     @record_only
     def on_log(self, state, record):
-        self._train = {
-            k: f"{v:.4g}"
-            for k, v in record["metrics"].items()
-            if self.metrics is None or k in self.metrics
-        }
+        self._train = _shown(record["metrics"], self.metrics)
         self.bar.set_postfix({**self._train, **self._eval}, refresh=False)
 
     def on_eval_end(self, state, record):
-        self._eval = {f"eval/{k}": f"{v:.4g}" for k, v in record["metrics"].items()}
+        shown = _shown(record["metrics"], None)
+        self._eval = {f"eval/{k}": v for k, v in shown.items()}
         self.bar.set_postfix({**self._train, **self._eval}, refresh=False)
 
     def on_train_end(self, state, history):
