@@ -381,3 +381,11 @@ def test_history_plot_draws_members_under_their_mean(tmp_path):
         "loss",
     ]
     plt.close("all")
+
+
+def test_summary_names_the_member_axis():
+    text = str(population().summary())
+    assert "a population of 4 members: every shape starts with the member axis " in text
+    assert "(32 values per member)" in text
+    assert "key:  threefry2x32 key, shape (4,)" in text
+    assert "population" not in str(init(0).summary())

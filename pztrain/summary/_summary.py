@@ -8,6 +8,7 @@ from typing import Any
 
 from treescope import rendering_parts
 
+from pztrain._members import member_count
 from pztrain._table import html_table, text_table
 from pztrain._tree import named_leaves
 from pztrain.summary._rows import ParamRow, nnx_types, rest_rows, row
@@ -162,4 +163,10 @@ def summarize(state: Any) -> Summary:
     if frozen:
         frozen_count = sum(r.count for r in frozen)
         title += f" ({frozen_count:,} values)"
+    members = member_count(state.root_rng)
+    if members is not None:  # a population: every array has a member axis
+        title += (
+            f"\na population of {members} members: every shape starts with the "
+            f"member axis ({count // members:,} values per member)"
+        )
     return Summary(title, rows, totals(state), step, key_text(state.root_rng))
