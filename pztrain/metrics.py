@@ -146,9 +146,17 @@ def _read_members(names: tuple[str, ...], packed: np.ndarray) -> Summary:
 
 
 @jax.jit
+def _fresh_one(sums: MetricSums) -> MetricSums:
+    return MetricSums.zeros(sums.names)
+
+
 def _fresh(sums: MetricSums) -> MetricSums:
-    members = sums.packed.shape[0] if sums.packed.ndim == 2 else None
-    return MetricSums.zeros(sums.names, members)
+    """Zero sums; a population's (a row per member) placed as its were, e.g.
+    split over the devices with the members."""
+    if sums.packed.ndim == 1:
+        return _fresh_one(sums)
+    zeros = MetricSums.zeros(sums.names, sums.packed.shape[0])
+    return MetricSums(sums.names, jax.device_put(zeros.packed, sums.packed.sharding))
 
 
 def _halves(step: jax.Array) -> jax.Array:

@@ -289,7 +289,7 @@ def test_population_inside_the_users_own_scan():
 MESH_SCRIPT = textwrap.dedent(
     """
     import jax, numpy as np
-    from tests.test_population import population, loss_fn, X, Y
+    from tests.test_population import population, loss_fn, eval_fn, X, Y
     import pztrain
     from pztrain.population import shard_members
     mesh = jax.make_mesh((4,), ("members",))
@@ -303,6 +303,25 @@ MESH_SCRIPT = textwrap.dedent(
     assert len(w.sharding.device_set) == 4, w.sharding
     assert w.addressable_shards[0].data.shape == (1, 3, 8)
     np.testing.assert_allclose(w, ref.params["w1"], rtol=1e-5, atol=1e-6)
+    # fit and evaluation on the split population, on Explicit and Auto axes
+    data = pztrain.ArrayLoader({"x": X, "y": Y}, batch_size=16, seed=0)
+    ev = pztrain.build_eval_step(eval_fn)
+    kw = dict(num_steps=8, eval_step=ev, eval_data=data, log_every=4, progress=False)
+    _, plain = pztrain.fit(population(), step, data, **kw)
+    auto = jax.sharding.AxisType.Auto
+    for mesh in (mesh, jax.make_mesh((4,), ("members",), axis_types=(auto,))):
+        spread = shard_members(population(), mesh)
+        split, history = pztrain.fit(spread, step, data, **kw)
+        assert len(split.params["w2"].sharding.device_set) == 4
+        got, want = history.last("eval")["metrics"], plain.last("eval")["metrics"]
+        np.testing.assert_allclose(got["mse/member_3"], want["mse/member_3"], rtol=1e-5)
+    try:
+        data_mesh = jax.make_mesh((4,), ("data",))
+        pztrain.build_train_step(loss_fn, mesh=data_mesh)(population(), x=X, y=Y)
+    except ValueError as e:
+        assert "shard_members(state, mesh)" in str(e), e
+    else:
+        raise AssertionError("a population on a step built with mesh= ran")
     print("ok", aux["loss"].shape)
     """
 )

@@ -157,6 +157,13 @@ def train_programs(
     train = _fns.train_fn(loss_fn, static, optimizer_def, k, m, mode, layout, norms)
     grads = _fns.grads_fn(loss_fn, static, m, mode, layout)
     aux = _fns.aux_fn(loss_fn, static, m, mode, layout, norms)
+    if static.members is not None and isinstance(layout, MeshLayout):
+        raise ValueError(
+            f"A population ({static.members} members) on a step built with mesh=: "
+            "split the members over a mesh axis with "
+            "pztrain.population.shard_members(state, mesh) and build the step "
+            "without mesh=; the program follows the members' placement."
+        )
     if static.members is not None:  # a population: one program for all
         train = over_members(train, static.members, member_batches, train=True)
         grads = over_members(grads, static.members, member_batches)

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pztrain._members import member_count
 from pztrain.metrics import MetricSums, metric_names
@@ -339,7 +339,8 @@ class TrainStep:
             if members is not None:  # a member's metrics: drop the member axis
                 aux = jax.tree.map(_one_member, aux)
             names[key] = tuple(metric_names(aux))
-        return MetricSums.zeros(names[key], members=members)
+        sums = MetricSums.zeros(names[key], members=members)
+        return sums if members is None else _placed_as_members(sums, state.root_rng)
 
     def compute_grads(self, state: TrainState, **batch: Any) -> StepOutputs:
         """Loss, new loss-function state, aux and grads for one batch; no update.
@@ -415,6 +416,17 @@ _make = tuple.__new__
 
 def _alive() -> bool:
     return False
+
+
+def _placed_as_members(sums: MetricSums, root_rng: Any) -> MetricSums:
+    """A population's sums (a row per member) split over the devices as its
+    members are (`pztrain.population.shard_members`), so that the step maps
+    over arrays placed alike."""
+    sharding = getattr(root_rng, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or not sharding.spec:
+        return sums
+    rows = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0]))
+    return MetricSums(sums.names, jax.device_put(sums.packed, rows))
 
 
 def _one_member(x: Any) -> jax.ShapeDtypeStruct:
