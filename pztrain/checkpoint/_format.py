@@ -7,7 +7,9 @@ state: `pztrain.partition.model_state`); ``state`` (full-state checkpoints only)
 other array of the `TrainState` (optimizer and loss-function state, step, key, arrays
 left in ``model_without_params``, subclass fields); ``meta``, JSON: the format and
 pztrain versions, each array's name or key path, shape, dtype and checksum, the state's
-numbers, and free-form metadata (hyperparameters, metrics, callback counters).
+numbers, the number of members of a population (``null`` for one run, see
+`pztrain.population`), and free-form metadata (hyperparameters, metrics, callback
+counters). A state loads only into a state with as many members.
 
 Nothing is pickled, and loading runs no code: the structure always comes from the
 ``like`` argument built in code, checked against the JSON and the files before any array
@@ -24,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from pztrain._members import member_count
 from pztrain._tree import is_array_like, named_leaves, path_repr
 from pztrain._version import __version__
 from pztrain.checkpoint import _integrity, _orbax
@@ -103,9 +106,12 @@ def save_params(
       ...     print(load_params(path, {"w": jnp.zeros(2)})["w"])
       [1. 1.]
     """
-    params = params_of(weights_to_save(state_or_params, ema, "save_params"))
+    source = weights_to_save(state_or_params, ema, "save_params")
+    params = params_of(source)
     check_alive(params, "save_params", "the params to save")
-    return _orbax.write(Path(directory), save_args(params, None, metadata), overwrite)
+    of = source if isinstance(source, TrainState) else None
+    args = save_args(params, None, metadata, of=of)
+    return _orbax.write(Path(directory), args, overwrite)
 
 
 def save_state(
@@ -135,11 +141,17 @@ def save_state(
 
 
 def save_args(
-    params: Any, state: TrainState | None, metadata: dict[str, Any] | None
+    params: Any,
+    state: TrainState | None,
+    metadata: dict[str, Any] | None,
+    *,
+    of: TrainState | None = None,
 ) -> Any:
     """The orbax save arguments (``ocp.args.Composite``, for pztrain's item
     handlers) of a checkpoint of ``params`` (`params_of` a state), the arrays of
     ``state`` (a full-state checkpoint; else ``None``) and free-form ``metadata``.
+    The member count of ``state`` (or of ``of``, the state that ``params`` come
+    from) is recorded; params saved without a state have none.
 
     Raises:
       CheckpointError: naming a leaf a checkpoint cannot hold (a Python number
@@ -156,6 +168,9 @@ def save_args(
         "params": describe_params(named),
         "metadata": metadata or {},
     }
+    source = state if state is not None else of
+    if source is not None:
+        meta["members"] = member_count(source.root_rng)
     arrays = {str(i): x for i, (_, x) in enumerate(named)}
     meta["params"][CHECKSUM] = _integrity.checksums(list(arrays.values()))
     items = {"params": ocp.args.PyTreeSave(arrays)}
@@ -218,9 +233,9 @@ def load_params(
       ``like`` with the stored params.
 
     Raises:
-      CheckpointMismatchError: the checkpoint is readable but holds other
-        params: missing or unexpected names, a shape or dtype that differs
-        (stored vs expected), each named; with ``ema``, no EMA weights.
+      CheckpointMismatchError: the checkpoint is readable but holds other params
+        (names, shapes or dtypes: each named, stored vs expected), no EMA weights
+        (with ``ema``), or a state of another member count than ``like``.
       CheckpointError: the checkpoint cannot be trusted: not a complete
         checkpoint, or array files that are missing, truncated, outside it,
         described otherwise than its JSON, or whose bytes fail their checksum
@@ -235,9 +250,9 @@ def load_params(
     """
     path = checkpoint_dir(directory)
     meta = read_metadata(path)
+    check_members(path, meta, like)
     params, rebuild = params_target(like)
-    stored = stored_params(meta)
-    targets = dict(named_leaves(params))
+    stored, targets = stored_params(meta), dict(named_leaves(params))
     wanted = check_params(path, stored, targets, partial)
     # with ema: the EMA from the state item, the model's own state from params
     averaged = stored_ema(path, meta, params, wanted) if ema else {}
@@ -261,8 +276,10 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
 
     Raises:
       CheckpointMismatchError: the checkpoint is readable but was saved from another
-        structure: it holds params only, or its names, paths, shapes, dtypes or stored
-        numbers differ from ``like`` (each named). Resuming refuses it.
+        structure: it holds params only, its number of members differs from
+        ``like`` 's (a population against one run: both counts named), or its names,
+        paths, shapes, dtypes or stored numbers differ (each named). Resuming
+        refuses it.
       CheckpointError: the checkpoint cannot be trusted (see `load_params`).
         Resuming skips it.
 
@@ -282,6 +299,7 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
             f"{path} holds params only (save_params); use load_params, or save with "
             "save_state / Checkpoints to resume training."
         )
+    check_members(path, meta, like)
     stored = stored_params(meta)
     like_params = params_of(like)
     targets = dict(named_leaves(like_params))
@@ -297,6 +315,41 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
     arrays = [restored["state"][str(i)] for i in range(len(like_arrays))]
     rest = _filled_state(like, arrays, scalars)
     return state_with_params(like, rest, filled(like_params, by_name))
+
+
+def check_members(path: Path, meta: dict[str, Any], like: Any) -> None:
+    """Checks the member count of checkpoint ``path`` (its JSON ``meta``)
+    against a `TrainState` ``like`` 's (``None``: one run, as
+    `pztrain.population_size` says). A full-state checkpoint without one is one
+    run's (written before populations); params saved alone have none to check.
+
+    Raises:
+      CheckpointMismatchError: naming both counts and the state to load into.
+    """
+    if not isinstance(like, TrainState) or not ("members" in meta or "state" in meta):
+        return
+    stored, target = meta.get("members"), member_count(like.root_rng)
+    if stored == target:
+        return
+
+    def what(n: int | None) -> str:
+        return "one run's state" if n is None else f"a population of {n} members"
+
+    if stored is None:
+        fix = (
+            "Load it into one run's state (pztrain.member(target, 0) is one); "
+            "pztrain.stack_members makes a population of such states."
+        )
+    else:
+        fix = (
+            f"Load it into a population of {stored} members (pztrain."
+            f"make_population with {stored} seeds), then take a run out with "
+            "pztrain.member(population, i) if you want one."
+        )
+    raise CheckpointMismatchError(
+        f"Checkpoint {path} holds {what(stored)}, but the target is {what(target)}: "
+        f"a checkpoint loads into a state with as many members. {fix}"
+    )
 
 
 def _by_name(names: list[str], restored: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,9 @@ Resuming skips the first kind and refuses the second.
 Format version 1 throughout: the per-array checksums (``"xxh3_64"`` lists) were
 added to it without a new version, because they are optional. A checkpoint
 without them (saved before they existed) loads unverified; one with them loads
-in an older pztrain, which ignores them.
+in an older pztrain, which ignores them. So was ``"members"``: a population's
+member count (``null`` for one run), written when a `TrainState` is saved; a
+full-state checkpoint without it is one run's.
 """
 
 from __future__ import annotations
@@ -131,6 +133,9 @@ def _check_meta(path: Path, meta: dict[str, Any]) -> None:
             "upgrade pztrain to read it."
         )
     bad = [] if isinstance(version, int) else ["format_version"]
+    members = meta.get("members")
+    if members is not None and not (_is_size(members) and members > 0):
+        bad.append("members")
     for item in _META_LISTS:
         if item != "state" or item in meta:  # no state: a params-only checkpoint
             bad += _bad_item(item, meta.get(item))
@@ -141,7 +146,7 @@ def _check_meta(path: Path, meta: dict[str, Any]) -> None:
         raise CheckpointError(
             f"Checkpoint {path} is corrupt: its metadata's {sorted(set(bad))} "
             "entries are not what pztrain writes (lists of one length per item, "
-            "dicts of metadata, numbers as scalars)."
+            "dicts of metadata, numbers as scalars, a member count >= 1 or null)."
         )
 
 
