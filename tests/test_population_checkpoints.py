@@ -284,6 +284,7 @@ def test_a_member_is_an_ordinary_state_for_every_api(tmp_path):
 
 def test_a_member_exports_to_safetensors(tmp_path):
     import safetensors.numpy as safetensors_numpy  # the dev extra brings it
+
     one = member(trained_population(), 2)
     path = pztrain.export_safetensors(tmp_path / "w.safetensors", one)
     tensors = safetensors_numpy.load_file(str(path))
