@@ -242,20 +242,23 @@ class History:
         rows = -(-len(panels) // cols)
         fig.set_size_inches(4.5 * cols, 3.2 * rows)
         for i, (title, lines) in enumerate(panels.items()):
-            ax = fig.add_subplot(rows, cols, i + 1)
-            for s, name, label in lines:
-                member = SPREAD.search(name) is not None
-                ax.plot(
-                    *self.series(name, s),
-                    label=label,
-                    marker="." if s == "eval" and not member else "",
-                    **(_MEMBER_LINE if member else {}),
-                )
-            ax.set_title(title)
-            ax.set_xlabel("step")
-            ax.legend()
+            self._draw(fig.add_subplot(rows, cols, i + 1), title, lines)
         fig.tight_layout()
         return fig
+
+    def _draw(self, ax: Any, title: str, lines: list[tuple[str, str, str]]) -> None:
+        """One panel: its lines (a population's members thin, under the mean)."""
+        for s, name, label in lines:
+            member = SPREAD.search(name) is not None
+            ax.plot(
+                *self.series(name, s),
+                label=label,
+                marker="." if s == "eval" and not member else "",
+                **(_MEMBER_LINE if member else {}),
+            )
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend()
 
     def _panels(self, names, split) -> dict[str, list[tuple[str, str, str]]]:
         """Panel title → its lines: ``(split, metric name, label)``."""
