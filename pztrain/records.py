@@ -229,12 +229,7 @@ class History:
           ['train members', '_nolegend_', 'train']
           >>> plt.close(fig)
         """
-        try:
-            import matplotlib.pyplot as plt
-        except ImportError:
-            raise ImportError(
-                "History.plot needs matplotlib: pip install 'pztrain[plot]'."
-            ) from None
+        plt = _pyplot()
         panels = self._panels(names, split)
         fig = plt.figure() if fig is None else fig
         fig.clear()
@@ -302,6 +297,16 @@ class History:
 # metric's own panel, and the progress bar leaves them out.
 SPREAD = re.compile(r"/(member_\d+|min|max)$")
 _MEMBER_LINE = {"linewidth": 0.8, "alpha": 0.45}
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError(
+            "History.plot needs matplotlib: pip install 'pztrain[plot]'."
+        ) from None
+    return plt
 
 
 def _members_of(name: str, logged: Any) -> list[str]:

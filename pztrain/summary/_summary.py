@@ -163,10 +163,15 @@ def summarize(state: Any) -> Summary:
     if frozen:
         frozen_count = sum(r.count for r in frozen)
         title += f" ({frozen_count:,} values)"
-    members = member_count(state.root_rng)
-    if members is not None:  # a population: every array has a member axis
-        title += (
-            f"\na population of {members} members: every shape starts with the "
-            f"member axis ({count // members:,} values per member)"
-        )
+    title += _population_line(member_count(state.root_rng), count)
     return Summary(title, rows, totals(state), step, key_text(state.root_rng))
+
+
+def _population_line(members: int | None, count: int) -> str:
+    """A population's line under the title (every array has a member axis)."""
+    if members is None:
+        return ""
+    return (
+        f"\na population of {members} members: every shape starts with the "
+        f"member axis ({count // members:,} values per member)"
+    )
