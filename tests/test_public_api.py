@@ -30,6 +30,7 @@ MODULES = [
     "pztrain.groups",
     "pztrain.integrations",
     "pztrain.integrations.optuna",
+    "pztrain.integrations.optuna_population",
     "pztrain.loggers",
     "pztrain.loop",
     "pztrain.metrics",

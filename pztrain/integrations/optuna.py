@@ -3,7 +3,9 @@
 `OptunaPruning` reports an eval metric to the trial at each evaluation and ends
 the run through `pztrain.Stop` when Optuna's pruner says so; `fit` then raises
 ``optuna.TrialPruned``, which ``study.optimize`` records as a pruned trial.
-Optuna is an optional extra: ``pip install 'pztrain[optuna]'``.
+To train a batch of trials as one population, see
+`pztrain.integrations.optuna_population`. Optuna is an optional extra:
+``pip install 'pztrain[optuna]'``.
 """
 
 from __future__ import annotations
