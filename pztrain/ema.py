@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from pztrain._optax import check_optimizer, states_of
@@ -99,7 +100,10 @@ def with_ema(
     Args:
       optimizer: An optax transformation (the updates it returns are applied
         to the params as usual).
-      decay: The EMA's decay, in (0, 1), e.g. ``0.999``.
+      decay: The EMA's decay, in (0, 1), e.g. ``0.999``. To give each member
+        of a population its own, inject it: ``optax.inject_hyperparams(
+        with_ema, static_args=("optimizer", "warmup"))(optimizer=tx,
+        decay=0.999)``, then ``make_population(..., decay=[...])``.
       warmup: Use ``min(decay, (1 + t) / (10 + t))`` at the ``t``-th update.
 
     Returns:
@@ -188,7 +192,13 @@ def has_ema(opt_state: Any) -> bool:
     return bool(states_of(opt_state, EmaState))
 
 
-def _checked_decay(decay: Any) -> float:
+def _checked_decay(decay: Any) -> Any:
+    """``decay`` as a float; a scalar array as it is (injected with
+    ``optax.inject_hyperparams``: one value per member of a population), its
+    value checked unless it is traced."""
+    if isinstance(decay, jax.Array | np.ndarray) and np.ndim(decay) == 0:
+        if isinstance(decay, jax.core.Tracer) or 0.0 < float(decay) < 1.0:
+            return decay
     if (
         isinstance(decay, bool)
         or not isinstance(decay, numbers.Real)

@@ -408,3 +408,43 @@ def test_summary_names_the_member_axis():
     assert "(32 values per member)" in text
     assert "key:  threefry2x32 key, shape (4,)" in text
     assert "population" not in str(init(0).summary())
+
+
+def test_per_member_ema_decay_and_dropout_rate():
+    """Hyperparameters outside the optimizer's rate: an injected EMA decay, and
+    a dropout rate kept in the loss-function state (one value per member)."""
+
+    def dropout_loss(*, model, state, rng, x, y):
+        keep = jax.random.bernoulli(rng, 1.0 - state["rate"], x.shape)
+        pred = jnp.tanh((x * keep) @ model["w1"]) @ model["w2"]
+        loss = jnp.mean((pred - y) ** 2)
+        return loss, state, {"loss": loss}
+
+    def member_init(seed, decay=0.9, rate=0.1):
+        ema = optax.inject_hyperparams(
+            pztrain.with_ema, static_args=("optimizer", "warmup")
+        )(optimizer=optax.adam(0.01), decay=decay)
+        return pztrain.TrainState.initial_state(
+            init(seed).params,
+            ema,
+            jax.random.key(seed),
+            loss_fn_state={"rate": jnp.float32(rate)},
+        )
+
+    decays, rates = [0.5, 0.9, 0.99], [0.0, 0.2, 0.5]
+    pop = pztrain.make_population(member_init, seeds=range(3), decay=decays)
+    pop = pop.replace(loss_fn_state={"rate": jnp.asarray(rates, jnp.float32)})
+    step = pztrain.build_train_step(dropout_loss)
+    for _ in range(4):
+        pop, _ = step(pop, x=X, y=Y)
+    for i in range(3):
+        state = member_init(i, decays[i], rates[i])
+        for _ in range(4):
+            state, _ = step(state, x=X, y=Y)
+        np.testing.assert_allclose(
+            pztrain.member(pop, i).ema_params["w1"],
+            state.ema_params["w1"],
+            rtol=2e-4,
+            atol=1e-5,
+        )
+    assert not np.allclose(pop.ema_params["w1"][0], pop.ema_params["w1"][2])
