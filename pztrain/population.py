@@ -7,9 +7,11 @@ loss-function state, the arrays of ``model_without_params`` and the root key
 (one key per member). Its ``step`` stays one scalar: members step together.
 
 Why a `TrainState` and not a type around one: every pytree tool already takes
-it (``jax.vmap`` of `pztrain.TrainState.initial_state` makes one, orbax saves
-it, treescope shows it), the step, `pztrain.fit`, `pztrain.evaluate` and the
-checkpoints need no second code path, and a member is a plain slice. What
+it (orbax saves it, treescope shows it, ``jax.vmap`` of
+`pztrain.TrainState.initial_state` makes its arrays: then set its step, a
+vector there, to one scalar with ``state.replace(step=state.step[0])``), the
+step, `pztrain.fit`, `pztrain.evaluate` and the checkpoints need no second
+code path, and a member is a plain slice. What
 makes a state a population is its root key's member axis (`population_size`).
 
 A train step (`pztrain.build_train_step`) called on a population maps the step
@@ -50,7 +52,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from pztrain._members import member_count
 from pztrain._tree import describe
@@ -333,6 +335,11 @@ def shard_members(state: TrainState, mesh: Mesh, axis: str = "members") -> Train
     (every array's leading axis; the step replicated): a train step built
     without ``mesh=`` then runs each device's members where they are.
 
+    The arrays are placed on the mesh's devices with Auto axes, whatever the
+    mesh's axis types: members need no layout in their types, and the program
+    (fit, micro-batches, per-member batches given as NumPy arrays) follows the
+    placement as a sharded program does without a mesh context.
+
     Raises:
       PopulationError: if ``state`` is not a population, or its size is not a
         multiple of the axis's size.
@@ -354,8 +361,13 @@ def shard_members(state: TrainState, mesh: Mesh, axis: str = "members") -> Train
             f"shard_members: {size} members do not split evenly over mesh axis "
             f"{axis!r} of {devices} devices."
         )
-    split = NamedSharding(mesh, PartitionSpec(axis))
-    whole = NamedSharding(mesh, PartitionSpec())
+    auto = Mesh(
+        mesh.devices,
+        mesh.axis_names,
+        axis_types=(AxisType.Auto,) * len(mesh.axis_names),
+    )
+    split = NamedSharding(auto, PartitionSpec(axis))
+    whole = NamedSharding(auto, PartitionSpec())
 
     def place(path, x):
         if path[0] == _STEP or np.ndim(x) == 0:

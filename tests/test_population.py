@@ -315,6 +315,14 @@ MESH_SCRIPT = textwrap.dedent(
         assert len(split.params["w2"].sharding.device_set) == 4
         got, want = history.last("eval")["metrics"], plain.last("eval")["metrics"]
         np.testing.assert_allclose(got["mse/member_3"], want["mse/member_3"], rtol=1e-5)
+    # micro-batches, and one NumPy batch per member, on the split population
+    micro = pztrain.build_train_step(loss_fn, microbatches=2)
+    got = micro(shard_members(population(), mesh), x=X, y=Y)[1]["loss"]
+    np.testing.assert_allclose(got, micro(population(), x=X, y=Y)[1]["loss"], rtol=1e-5)
+    per = pztrain.build_train_step(loss_fn, member_batches=True)
+    xs, ys = np.stack([X] * 4), np.stack([Y] * 4)
+    got = per(shard_members(population(), mesh), x=xs, y=ys)[1]["loss"]
+    np.testing.assert_allclose(got, step(population(), x=X, y=Y)[1]["loss"], rtol=1e-5)
     try:
         data_mesh = jax.make_mesh((4,), ("data",))
         pztrain.build_train_step(loss_fn, mesh=data_mesh)(population(), x=X, y=Y)
@@ -448,3 +456,18 @@ def test_per_member_ema_decay_and_dropout_rate():
             atol=1e-5,
         )
     assert not np.allclose(pop.ema_params["w1"][0], pop.ema_params["w1"][2])
+
+
+def test_a_vmapped_initial_state_needs_one_step_counter():
+    pop = jax.vmap(init)(jnp.arange(3))
+    step = pztrain.build_train_step(loss_fn)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "got a step counter of shape (3,), as jax.vmap of TrainState.initial_state "
+            "makes. Set it with state.replace(step=state.step[0])"
+        ),
+    ):
+        step(pop, x=X, y=Y)
+    pop, aux = step(pop.replace(step=pop.step[0]), x=X, y=Y)
+    assert aux["loss"].shape == (3,)

@@ -51,8 +51,9 @@ def build_train_step(
       grad_norms: ``"global"`` or ``"per_param"``: grad norms as metrics in the
         aux (see `TrainStep`); ``None`` (default): none, nothing computed.
       member_batches: For a population (`pztrain.population`): each member
-        gets its own batch, every batch leaf having a leading member axis;
-        ``False`` (default): one batch shared by every member.
+        gets its own batch, every batch leaf having a leading member axis
+        (``[K, batch, ...]``; with ``steps_per_call=k``, ``[K, k, batch,
+        ...]``); ``False`` (default): one batch shared by every member.
 
     Raises:
       ValueError: for counts < 1, ``donate=True`` without jit, a bad ``mode``

@@ -18,7 +18,7 @@ from pztrain._tree import named_leaves
 from pztrain.data._batch import BatchError
 from pztrain.step._types import Carry, Inputs
 
-__all__ = ["over_members"]
+__all__ = ["check_counter", "over_members"]
 
 _CARRY_AXES = Carry(None, 0, 0, 0, 0)  # the step counter is shared
 
@@ -64,3 +64,16 @@ def check_member_batch(batch: Any, members: int) -> None:
                 f"shape {tuple(shape)}. Stack one batch per member on axis 0, or "
                 "build the step without member_batches to share one batch."
             )
+
+
+def check_counter(members: int | None, step: Any) -> None:
+    """Refuses a population whose step counter is not one scalar (e.g. made by
+    ``jax.vmap`` of ``TrainState.initial_state``: one counter per member)."""
+    if members is not None and np.ndim(step) != 0:
+        raise ValueError(
+            f"A population's step is one scalar (its {members} members step "
+            f"together); got a step counter of shape {np.shape(step)}, as "
+            "jax.vmap of TrainState.initial_state makes. Set it with "
+            "state.replace(step=state.step[0]), or build the population with "
+            "pztrain.make_population or pztrain.stack_members."
+        )

@@ -30,6 +30,7 @@ from pztrain.state._state import check_state
 from pztrain.state._struct import after_step, replaced
 from pztrain.step._call_batch import on_mesh, one_batch, two_batches
 from pztrain.step._cost import StepCost, StepMemory, cost_of
+from pztrain.step._members import check_counter
 from pztrain.step._mesh import NO_MESH, MeshLayout
 from pztrain.step._notes import note_inputs
 from pztrain.step._programs import (
@@ -253,6 +254,7 @@ class TrainStep:
                     member_count(root_rng),
                 )
             found = self._programs.lookup(rest, optimizer_def, root_rng)
+            check_counter(found.static.members, fields["step"])
         if self.batch_sharding is not None and isinstance(batch, Mapping):
             batch = on_mesh(batch, self.batch_sharding)
         step, _, rest_arrays, key_data, _ = found
