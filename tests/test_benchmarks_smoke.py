@@ -89,3 +89,13 @@ def test_nnx_benchmark_completes():
     for key in ("functional", "functional_leaves", "pztrain", "nnx_optimizer"):
         assert f"\n{key} " in out
     assert "pztrain / functional_leaves" in out
+
+
+def test_population_benchmark_quick_mode_completes():
+    out = _run("benchmarks/population_bench.py", "--quick", timeout=300)
+    for section in ("W0 K=16", "W0 K=64", "W1 K=16", "fit W0 K=16"):
+        assert f"### {section}:" in out
+    for column in ("K separate pztrain runs", "pztrain population", "pztrain.fit"):
+        assert f"| {column} |" in out
+    assert "### Memory of the population step" in out
+    assert "### Targets" in out and "population / separate" in out
