@@ -471,3 +471,31 @@ def test_a_vmapped_initial_state_needs_one_step_counter():
         step(pop, x=X, y=Y)
     pop, aux = step(pop.replace(step=pop.step[0]), x=X, y=Y)
     assert aux["loss"].shape == (3,)
+
+
+def test_monitors_rank_members(tmp_path):
+    """EarlyStopping and Checkpoints' best-k take a population's entries: the
+    best member (``eval/mse/min``) or one member (``eval/mse/member_2``)."""
+    data = pztrain.ArrayLoader({"x": X, "y": Y}, batch_size=16, seed=0)
+    early = pztrain.EarlyStopping(monitor="eval/mse/min", patience=100)
+    ckpts = pztrain.Checkpoints(
+        tmp_path / "ckpt", keep_best=1, keep_last=1, monitor="eval/mse/member_2"
+    )
+    _, history = pztrain.fit(
+        population(),
+        pztrain.build_train_step(loss_fn),
+        data,
+        num_steps=12,
+        eval_step=pztrain.build_eval_step(eval_fn),
+        eval_data=data,
+        eval_every=4,
+        log_every=4,
+        progress=False,
+        callbacks=[early],
+        checkpoints=ckpts,
+    )
+    evals = [r for r in history.to_dicts() if r["split"] == "eval"]
+    best = min(evals, key=lambda r: r["metrics"]["mse/min"])
+    assert early.best == pytest.approx(best["metrics"]["mse/min"])
+    by_member_2 = min(evals, key=lambda r: r["metrics"]["mse/member_2"])["step"]
+    assert ckpts.best_step() == by_member_2
