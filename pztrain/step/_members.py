@@ -13,12 +13,14 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pztrain._tree import named_leaves
 from pztrain.data._batch import BatchError
+from pztrain.metrics import MetricSums
 from pztrain.step._types import Carry, Inputs
 
-__all__ = ["check_counter", "over_members"]
+__all__ = ["check_counter", "one_member", "over_members", "placed_as_members"]
 
 _CARRY_AXES = Carry(None, 0, 0, 0, 0)  # the step counter is shared
 
@@ -77,3 +79,22 @@ def check_counter(members: int | None, step: Any) -> None:
             "state.replace(step=state.step[0]), or build the population with "
             "pztrain.make_population or pztrain.stack_members."
         )
+
+
+def placed_as_members(sums: MetricSums, root_rng: Any) -> MetricSums:
+    """A population's sums (a row per member) split over the devices as its
+    members are (`pztrain.population.shard_members`), so that the step maps
+    over arrays placed alike."""
+    sharding = getattr(root_rng, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or not sharding.spec:
+        return sums
+    rows = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0]))
+    return MetricSums(sums.names, jax.device_put(sums.packed, rows))
+
+
+def one_member(shapes: Any, members: int | None) -> Any:
+    """A population's shapes (``jax.ShapeDtypeStruct`` s) without the member
+    axis: one member's (as they are for one run)."""
+    if members is None:
+        return shapes
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), shapes)

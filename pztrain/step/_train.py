@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from pztrain._members import member_count
 from pztrain.metrics import MetricSums, metric_names
@@ -30,7 +30,8 @@ from pztrain.state._state import check_state
 from pztrain.state._struct import after_step, replaced
 from pztrain.step._call_batch import on_mesh, one_batch, two_batches
 from pztrain.step._cost import StepCost, StepMemory, cost_of
-from pztrain.step._members import check_counter
+from pztrain.step._fusion import fused_calls
+from pztrain.step._members import check_counter, one_member, placed_as_members
 from pztrain.step._mesh import NO_MESH, MeshLayout
 from pztrain.step._notes import note_inputs
 from pztrain.step._programs import (
@@ -142,6 +143,7 @@ class TrainStep:
             else MeshLayout(mesh, mesh_axes(data_axis), explicit_loss)
         )
         self._programs = Programs(self._build)
+        self._fused_step: TrainStep | None = None  # see accumulate
 
     def _build(self, static: Static, optimizer_def: Any) -> TrainPrograms:
         """The programs for one model structure and optimizer."""
@@ -212,10 +214,13 @@ class TrainStep:
           batch: A batch dict or `OnDeviceBatches`, or keyword ``arrays``.
           calls: Calls in a row (0: none); the arrays pass from one to the next
             and the state is built once. Each call takes its own step's batch
-            from `OnDeviceBatches`; a dict batch is trained on ``calls`` times.
+            from `OnDeviceBatches` (and runs fused with others, up to
+            `pztrain.step._fusion.FUSED_STEPS` steps per call); a dict batch
+            is trained on ``calls`` times.
           stop_flag: An object whose ``requested`` attribute is read once
-            before each call after the first: once true, the remaining calls
-            are skipped (the new state's ``step`` says how many ran).
+            before each call after the first (each fused call): once true, the
+            remaining calls are skipped (the new state's ``step`` says how many
+            ran).
           **arrays: The batch arrays.
 
         Returns:
@@ -223,9 +228,25 @@ class TrainStep:
         """
         if calls < 1:  # nothing to run (a stretch of no whole call)
             return state, sums
-        flag = _GO_ON if stop_flag is None else stop_flag
-        state, sums, _ = self._run(state, sums, one_batch(batch, arrays), calls, flag)
+        flag, batch = (
+            _GO_ON if stop_flag is None else stop_flag,
+            one_batch(batch, arrays),
+        )
+        chunk = fused_calls(batch, calls, self.steps_per_call, self.jit)
+        if chunk:  # batches on the device: most calls as one program (_fusion)
+            runs, calls = divmod(calls, chunk)
+            state, sums, _ = self._fused(chunk)._run(state, sums, batch, runs, flag)
+            if not calls or flag.requested:
+                return state, sums
+        state, sums, _ = self._run(state, sums, batch, calls, flag)
         return state, sums
+
+    def _fused(self, chunk: int) -> TrainStep:
+        """This step, ``chunk`` calls' steps per call (made once)."""
+        if self._fused_step is None:
+            k = self.steps_per_call * chunk
+            self._fused_step = self._variant(steps_per_call=k, batch_shardings=None)
+        return self._fused_step
 
     def _run(
         self, state: TrainState, sums: Any, batch: Any, calls: int, flag: Any = _GO_ON
@@ -300,21 +321,15 @@ class TrainStep:
     def single(self) -> TrainStep:
         """This step, one optimizer step per call and donating nothing (e.g. to
         replay steps one at a time and keep the state before each)."""
-        return TrainStep(
-            self.loss_fn,
-            jit=self.jit,
-            donate=False,
-            steps_per_call=1,
-            state_shardings=self._state_shardings,
-            batch_shardings=self._batch_shardings if self.steps_per_call == 1 else None,
-            mesh=self.mesh,
-            data_axis=self.data_axis,
-            microbatches=self.microbatches,
-            explicit_loss=self.explicit_loss,
-            mode=self.mode,
-            grad_norms=self.grad_norms,
-            member_batches=self.member_batches,
-        )
+        one = self._batch_shardings if self.steps_per_call == 1 else None
+        return self._variant(donate=False, steps_per_call=1, batch_shardings=one)
+
+    def _variant(self, **changes: Any) -> TrainStep:
+        """This step with some of its build options changed."""
+        options = {name: getattr(self, name) for name in _OPTIONS}
+        options["state_shardings"] = self._state_shardings
+        options["batch_shardings"] = self._batch_shardings
+        return TrainStep(**{**options, **changes})
 
     def metric_sums(
         self, state: TrainState, batch: Any = None, /, **arrays: Any
@@ -338,11 +353,9 @@ class TrainStep:
         members = found.static.members
         if key not in names:
             aux = found.program.aux_shape(carry, inputs)
-            if members is not None:  # a member's metrics: drop the member axis
-                aux = jax.tree.map(_one_member, aux)
-            names[key] = tuple(metric_names(aux))
+            names[key] = tuple(metric_names(one_member(aux, members)))
         sums = MetricSums.zeros(names[key], members=members)
-        return sums if members is None else _placed_as_members(sums, state.root_rng)
+        return sums if members is None else placed_as_members(sums, state.root_rng)
 
     def compute_grads(self, state: TrainState, **batch: Any) -> StepOutputs:
         """Loss, new loss-function state, aux and grads for one batch; no update.
@@ -414,25 +427,15 @@ class TrainStep:
 
 
 _make = tuple.__new__
+# The build options a TrainStep keeps as attributes of the same name.
+_OPTIONS = (
+    "loss_fn jit donate steps_per_call mesh data_axis microbatches explicit_loss mode "
+    "grad_norms member_batches"
+).split()
 
 
 def _alive() -> bool:
     return False
-
-
-def _placed_as_members(sums: MetricSums, root_rng: Any) -> MetricSums:
-    """A population's sums (a row per member) split over the devices as its
-    members are (`pztrain.population.shard_members`), so that the step maps
-    over arrays placed alike."""
-    sharding = getattr(root_rng, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or not sharding.spec:
-        return sums
-    rows = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0]))
-    return MetricSums(sums.names, jax.device_put(sums.packed, rows))
-
-
-def _one_member(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
 
 
 def _shapes_key(tree: Any) -> tuple[Any, ...]:
