@@ -499,3 +499,13 @@ def test_monitors_rank_members(tmp_path):
     assert early.best == pytest.approx(best["metrics"]["mse/min"])
     by_member_2 = min(evals, key=lambda r: r["metrics"]["mse/member_2"])["step"]
     assert ckpts.best_step() == by_member_2
+
+
+def test_treescope_names_the_member_axis():
+    import treescope
+
+    text = treescope.render_to_text(population())
+    assert text.startswith("# a population of 4 members: axis 0 of every array\n")
+    assert "float32(4, 3, 8)" in text
+    assert "population" in treescope.render_to_html(population())
+    assert "population" not in treescope.render_to_text(init(0))

@@ -314,7 +314,7 @@ class TrainState(pz.Struct):
         """Penzai's view, unfolded by width in text (`readable_treescope`), the
         optimizer's functions by name (`short_functions`)."""
         rendering = super().__treescope_repr__(path, short_functions(subtree_renderer))
-        return readable_treescope(rendering)
+        return readable_treescope(rendering, member_count(self.root_rng))
 
     # --------------------------------------------------------------- updates
 

@@ -76,8 +76,9 @@ class _UnfoldedInText(rendering_parts.RenderableTreePart):
                 node.set_expand_state(state)
 
 
-def readable_treescope(rendering: Any) -> Any:
-    """Makes treescope's text render of ``rendering`` unfold by width.
+def readable_treescope(rendering: Any, members: int | None = None) -> Any:
+    """Makes treescope's text render of ``rendering`` unfold by width; a
+    population's (``members``) gets a comment line saying so first.
 
     ``TrainState.__treescope_repr__`` passes penzai's rendering of the state
     through this, so ``treescope.render_to_text(state)`` shows every part of the
@@ -86,14 +87,18 @@ def readable_treescope(rendering: Any) -> Any:
 
     Args:
       rendering: What a ``__treescope_repr__`` returns (or ``NotImplemented``).
+      members: A population's member count (`pztrain.population`), or ``None``.
 
     Returns:
       The same rendering, wrapped.
     """
     if isinstance(rendering, rendering_parts.RenderableAndLineAnnotations):
-        return rendering_parts.RenderableAndLineAnnotations(
-            _UnfoldedInText(rendering.renderable), rendering.annotations
-        )
+        part = _UnfoldedInText(rendering.renderable)
+        if members is not None:  # every array's axis 0 is the member axis
+            note = f"# a population of {members} members: axis 0 of every array\n"
+            note = rendering_parts.comment_color(rendering_parts.text(note))
+            part = rendering_parts.siblings(note, part)
+        return rendering_parts.RenderableAndLineAnnotations(part, rendering.annotations)
     if isinstance(rendering, rendering_parts.RenderableTreePart):
         return _UnfoldedInText(rendering)
     return rendering
