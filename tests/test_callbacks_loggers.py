@@ -724,7 +724,7 @@ def test_jsonl_logger_resume_step_drops_records_after_it(tmp_path):
         ValueError,
         match=r"metrics.jsonl holds another run.s log \(1 records, up to step 2\)",
     ):
-        JsonlLogger(tmp_path)
+        JsonlLogger(tmp_path).start_run(0, resumed=False)
     assert [r["step"] for r in read_jsonl(tmp_path)] == [2]
 
 

@@ -215,7 +215,7 @@ def test_csv_logger_grows_its_columns(tmp_path):
     CSVLogger(tmp_path, resume_step=4).close()
     assert [int(r["step"]) for r in _csv_rows(tmp_path)] == [2, 4, 4]
     with pytest.raises(ValueError, match="metrics.csv holds another run's log"):
-        CSVLogger(tmp_path)
+        CSVLogger(tmp_path).start_run(0, resumed=False)
 
 
 @pytest.mark.slow  # imports mlflow and writes a file store

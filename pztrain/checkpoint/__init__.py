@@ -4,6 +4,7 @@ A checkpoint is orbax arrays + JSON, written atomically; nothing is pickled and
 loading runs no code (the structure comes from a target built in code).
 
 * `pztrain.checkpoint._format`: params-only and full-state save and load;
+* `pztrain.checkpoint._warm`: renames for a warm start, and `LoadReport`;
 * `pztrain.checkpoint._safetensors`: params as a ``.safetensors`` file;
 * `pztrain.checkpoint._metadata`: the JSON, and the two errors;
 * `pztrain.checkpoint._integrity`: checksums of what is written and read;
@@ -31,12 +32,14 @@ from pztrain.checkpoint._metadata import (
 )
 from pztrain.checkpoint._rebuild import load_from_checkpoint
 from pztrain.checkpoint._safetensors import export_safetensors, import_safetensors
+from pztrain.checkpoint._warm import LoadReport
 
 __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "Checkpoints",
     "DirectoryInUseError",
+    "LoadReport",
     "export_safetensors",
     "import_safetensors",
     "load_from_checkpoint",

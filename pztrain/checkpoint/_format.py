@@ -57,12 +57,14 @@ from pztrain.checkpoint._targets import (
     state_skeleton,
     state_with_params,
 )
+from pztrain.checkpoint._warm import LoadReport, Rename, plan_load
 from pztrain.state import TrainState
 from pztrain.state._donation import check_alive
 
 __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
+    "LoadReport",
     "load_params",
     "load_state",
     "read_metadata",
@@ -204,42 +206,49 @@ def _state_leaves(state: TrainState) -> list[tuple[str, Any]]:
 
 
 def load_params(
-    directory: str | os.PathLike, like: Any, *, partial: bool = False, ema: bool = False
+    directory: str | os.PathLike,
+    like: Any,
+    *,
+    partial: bool = False,
+    ema: bool = False,
+    rename: Rename | None = None,
+    return_report: bool = False,
 ) -> Any:
     """Loads params into ``like``: a `TrainState`, a model, or a params pytree.
 
     The structure comes from ``like`` (built in code); the checkpoint supplies
-    values by name. A full-state checkpoint (or a `pztrain.Checkpoints`
-    directory, whose newest checkpoint is used) works too. Nothing is read from
-    a file before the names, shapes and dtypes of the JSON, the target and the
-    array files agree; each array is then checked against its checksum.
+    values by name. Nothing is read from a file before the names, shapes and
+    dtypes of the JSON, the target and the array files agree; each array is
+    then checked against its checksum.
 
     Args:
-      directory: A checkpoint from `save_params`, `save_state` or
-        `pztrain.Checkpoints`.
+      directory: From `save_params`, `save_state` or `pztrain.Checkpoints`.
       like: A `TrainState` (returned with its params replaced), a model (penzai
-        v2/v1, equinox or any pytree; returned with its params) or a params
-        pytree (returned filled). It may be abstract (``jax.ShapeDtypeStruct``
-        leaves, from ``jax.eval_shape``; a penzai v2 model frozen first): no
-        weights are made before loading. Each param goes onto the sharding of
-        its target (a ``ShapeDtypeStruct`` without one: the first device).
+        v2/v1, equinox or any pytree; returned with its params) or a params pytree
+        (returned filled), maybe abstract (``jax.ShapeDtypeStruct`` leaves, from
+        ``jax.eval_shape``; a penzai v2 model frozen first). Each param goes onto
+        its target's sharding (a ``ShapeDtypeStruct`` without one: the first device).
       partial: Load only the names both sides have; others keep ``like`` 's
         values (e.g. fine-tuning a model with a new head).
-      ema: Load the EMA params (`pztrain.with_ema`) of a full-state checkpoint
-        as the params (a model's own state, such as batch statistics, comes
-        from its params as usual).
+      ema: Load a full-state checkpoint's EMA params (`pztrain.with_ema`) as
+        the params (a model's own state, batch statistics, from its params).
+      rename: Stored names to load under others: ``{"encoder": "backbone"}``
+        (a name and the names under it) or ``[(pattern, replacement), ...]``
+        (the first pattern that matches a whole name; `LoadReport` has more).
+      return_report: Also return a `LoadReport` (loaded, left, ignored).
 
     Returns:
-      ``like`` with the stored params.
+      ``like`` with the stored params; ``(loaded, report)`` with ``return_report``.
 
     Raises:
       CheckpointMismatchError: the checkpoint is readable but holds other params
-        (names, shapes or dtypes: each named, stored vs expected), no EMA weights
-        (with ``ema``), or a state of another member count than ``like``.
-      CheckpointError: the checkpoint cannot be trusted: not a complete
-        checkpoint, or array files that are missing, truncated, outside it,
-        described otherwise than its JSON, or whose bytes fail their checksum
-        (naming the parameter and the file).
+        (names, shapes or dtypes: each named, stored vs expected, a renamed one by
+        both names), no EMA weights (with ``ema``), or a state of another member
+        count than ``like``; a ``rename`` rule fits no name or joins two.
+      TypeError, ValueError: a malformed ``rename`` (or one with ``ema``).
+      CheckpointError: the checkpoint cannot be trusted: incomplete, or array
+        files missing, truncated, outside it, described otherwise than its JSON,
+        or whose bytes fail their checksum (naming the parameter and the file).
 
     Example:
       >>> import tempfile, jax.numpy as jnp
@@ -252,17 +261,28 @@ def load_params(
     meta = read_metadata(path)
     check_members(path, meta, like)
     params, rebuild = params_target(like)
-    stored, targets = stored_params(meta), dict(named_leaves(params))
-    wanted = check_params(path, stored, targets, partial)
-    # with ema: the EMA from the state item, the model's own state from params
-    averaged = stored_ema(path, meta, params, wanted) if ema else {}
-    plain = {n: targets[n] for n in wanted if n not in averaged}
+    report = plan_load(path, meta, params, rename=rename, partial=partial, ema=ema)
+    values = _loaded_values(path, meta, params, report, ema)
+    loaded = concrete(rebuild(filled(params, values)))
+    return (loaded, report) if return_report else loaded
+
+
+def _loaded_values(
+    path: Path, meta: dict[str, Any], params: Any, report: LoadReport, ema: bool
+) -> dict[str, Any]:
+    """The arrays of ``report.loaded``, by target name: from the params item,
+    or with ``ema`` the EMA from the state item (a model's own state, which
+    has none, from the params item)."""
+    targets = dict(named_leaves(params))
+    averaged = stored_ema(path, meta, params, set(report.loaded)) if ema else {}
+    plain = {s: targets[t] for t, s in report.loaded.items() if t not in averaged}
     items = {"params": _stored_params(meta, plain), "state": [*averaged.values()]}
     restored = _read(path, meta, **{k: v for k, v in items.items() if v})
-    values = _by_name(list(stored), restored.get("params", {}))
+    by_stored = _by_name(meta["params"]["names"], restored.get("params", {}))
+    values = {t: by_stored[s] for t, s in report.loaded.items() if s in by_stored}
     for name, stored_array in averaged.items():
         values[name] = jax.numpy.asarray(restored["state"][stored_array.key])
-    return concrete(rebuild(filled(params, values)))
+    return values
 
 
 def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:

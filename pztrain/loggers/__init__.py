@@ -1,10 +1,11 @@
-"""Loggers for `pztrain.fit`: a protocol of three methods, and the built-ins.
+"""Loggers for `pztrain.fit`: a protocol of three methods (and an optional
+``start_run``, which continues a resumed run's log), and the built-ins.
 
 A logger receives records (see `pztrain.callbacks.Callback`) at log and eval
 points only, already on the host.
 
 * `pztrain.loggers._protocol`: `Logger` and `flat_hparams`;
-* `pztrain.loggers._files`: `JsonlLogger` and `CSVLogger`;
+* `pztrain.loggers._files`: `JsonlLogger` and `CSVLogger`, and their paths;
 * `pztrain.loggers._tensorboard`: `TensorBoardLogger`;
 * `pztrain.loggers._tracking`: `MLflowLogger` and `WandbLogger`.
 """

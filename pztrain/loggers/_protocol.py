@@ -14,6 +14,14 @@ __all__ = ["Logger", "flat_hparams"]
 class Logger(Protocol):
     """What `pztrain.fit` calls on each logger.
 
+    A logger may also have ``start_run(step, *, resumed)``, which `pztrain.fit`
+    calls first, with the step the run starts from and whether it resumes from
+    a checkpoint a run that went on past it (its records after ``step`` are
+    then redone: a log continues from ``step``, dropping or superseding them).
+    Otherwise (a fresh run, or ``fit(state, ...)`` going on from
+    ``state.step``) records after ``step`` are another run's. Every built-in
+    logger has it: a resumed run's log goes on where it stopped.
+
     Example:
       >>> class PrintLogger:  # any object with the three methods: fit(loggers=[...])
       ...     def log_hparams(self, hparams): print("hparams", hparams)

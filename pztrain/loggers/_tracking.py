@@ -21,11 +21,22 @@ class MLflowLogger:
     `pztrain.records.THROUGHPUT_KEYS`). It
     uses an ``MlflowClient`` of its own, not MLflow's global active run.
 
+    A resumed `pztrain.fit` continues an MLflow run given by ``run_id`` (the
+    ``run_id`` of the logger of the run it resumes): its records go on at
+    their steps. MLflow keeps every point it was sent, so the steps after the
+    checkpoint that the interrupted run had logged are there twice in a
+    metric's history, the resumed run's with the later timestamps.
+
     Args:
       experiment: The experiment's name (created if missing).
       run_name: The run's name (default: MLflow's).
       tracking_uri: Where the store is, e.g. ``"sqlite:///mlflow.db"`` or a
         server's URL (default: MLflow's, from ``MLFLOW_TRACKING_URI``).
+      run_id: An existing run to continue (set running again) instead of a
+        new one; ``experiment`` and ``run_name`` are then not used.
+
+    Raises:
+      ValueError: if ``run_id`` names no run of the store.
 
     Attributes:
       run_id: The MLflow run's id.
@@ -49,6 +60,7 @@ class MLflowLogger:
         *,
         run_name: str | None = None,
         tracking_uri: str | None = None,
+        run_id: str | None = None,
     ):
         try:
             from mlflow.tracking import MlflowClient
@@ -57,6 +69,9 @@ class MLflowLogger:
                 "MLflowLogger needs mlflow: pip install 'pztrain[mlflow]'."
             ) from None
         self._client = MlflowClient(tracking_uri=tracking_uri)
+        if run_id is not None:
+            self.run_id = _existing_run(self._client, run_id)
+            return
         found = self._client.get_experiment_by_name(experiment)
         exp_id = (
             found.experiment_id
@@ -64,6 +79,10 @@ class MLflowLogger:
             else self._client.create_experiment(experiment)
         )
         self.run_id = self._client.create_run(exp_id, run_name=run_name).info.run_id
+
+    def start_run(self, step: int, *, resumed: bool) -> None:
+        """Nothing to prepare: records are logged at their steps, and MLflow
+        keeps each point it was sent (`pztrain.fit` calls it at the start)."""
 
     def log_hparams(self, hparams: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -84,6 +103,26 @@ class MLflowLogger:
 
     def close(self) -> None:
         self._client.set_terminated(self.run_id)
+
+
+def _existing_run(client: Any, run_id: str) -> str:
+    """``run_id``, its run set running again.
+
+    Raises:
+      ValueError: naming the run id if the store has no such run.
+    """
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_run(run_id)
+    except MlflowException as e:
+        raise ValueError(
+            f"MLflowLogger(run_id={run_id!r}): no such run in {client.tracking_uri} "
+            f"({e.message}). Pass the run_id of a run of this tracking store, or "
+            "no run_id for a new run."
+        ) from None
+    client.update_run(run_id, status="RUNNING")
+    return run_id
 
 
 class WandbLogger:
@@ -137,6 +176,10 @@ class WandbLogger:
             reinit="create_new",
             **init_kwargs,
         )
+
+    def start_run(self, step: int, *, resumed: bool) -> None:
+        """Nothing to prepare: records are logged at their steps (`pztrain.fit`
+        calls it at the start)."""
 
     def log_hparams(self, hparams: dict[str, Any]) -> None:
         self.run.config.update(jsonable(hparams))

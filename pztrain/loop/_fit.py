@@ -352,12 +352,25 @@ def _own_run_dir(args: FitArguments) -> str | os.PathLike | None:
 
 def _outputs(args: FitArguments, start: int) -> tuple[list[Logger], list]:
     """The run's loggers and progress bar: on process 0 only, so that a run of
-    several processes writes one log and shows one bar. A resumed run's log
-    goes on from ``start`` (`Checkpoints.prepare` says whether it resumed)."""
+    several processes writes one log and shows one bar. Every log goes on from
+    ``start`` (`Checkpoints.prepare` says whether the run resumed): each given
+    logger with a ``start_run`` is told, the default `JsonlLogger` made so. If
+    one refuses, those already started are closed."""
     if jax.process_index() != 0:
         return [], []
     resumed = args.checkpoints is not None and args.checkpoints.continues_run
-    loggers = _default_loggers(args.run_dir, start, resumed, args.loggers)
+    started = []
+    try:
+        for lg in args.loggers or ():
+            if callable(getattr(lg, "start_run", None)):
+                lg.start_run(start, resumed=resumed)
+                started.append(lg)
+        loggers = _default_loggers(args.run_dir, start, resumed, args.loggers)
+    except BaseException:
+        for lg in started:
+            with contextlib.suppress(Exception):  # the refusal matters more
+                lg.close()
+        raise
     return loggers, _progress_bar(args.progress, args.callbacks)
 
 
