@@ -3,13 +3,14 @@
 Run: ``python examples/digits.py`` (after ``pip install -e ".[examples]"``). Nothing
 is downloaded. It trains with `pztrain.fit`: evaluation every epoch, a progress
 bar, early stopping on the validation loss, and a JSON-lines log in
-``runs/digits/<date-time>``; then it prints the test accuracy.
+``runs/digits/<date-time>``; then it prints the test accuracy and where the log is.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +70,7 @@ def main(
     optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=schedule)
     state = pztrain.TrainState.initial_state(model, optimizer, jax.random.key(seed))
     print(state.summary())
+    print(f"run directory: {run_dir}")
 
     state, history = pztrain.fit(
         state,
@@ -91,6 +93,7 @@ def main(
         pztrain.ArrayLoader(test, 256, shuffle=False, drop_remainder=False),
     )
     print(f"test accuracy {result['accuracy']:.4f}  test loss {result['loss']:.4f}")
+    print(f"the run's log: {Path(run_dir) / 'metrics.jsonl'}")
     return result["accuracy"]
 
 

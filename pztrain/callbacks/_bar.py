@@ -5,7 +5,8 @@
   few metrics runs to 200 characters. `fit_width` gives such a bar the width
   ``shutil.get_terminal_size`` reports (``COLUMNS``, else 80).
 * A clock that starts after the compile: `restart_clock` makes the rate and ETA
-  count from now on, the steps so far aside.
+  count from now on, the steps so far aside, and draws the bar once, so a log
+  file holds no line that times the compile.
 * Its pace: `pace`, the steps between two moves of the bar.
 * tqdm itself, an optional dependency: `tqdm_bar` names the extra to install.
 
@@ -43,14 +44,25 @@ def fit_width(bar: Any) -> None:
         bar.ncols = shutil.get_terminal_size().columns - 1  # as tqdm's own
 
 
-def restart_clock(bar: Any, step: int) -> None:
-    """The bar's rate and ETA count from now, at ``step`` (the first steps,
-    which included the compile, do not count)."""
+def restart_clock(bar: Any, step: int) -> bool:
+    """Moves the bar to ``step`` with its rate and ETA counting from now (the
+    first steps, which included the compile, do not count), drawn once: a log
+    file gets no line that times the compile. ``False`` for a bar without
+    tqdm's ``reset`` (moved by the caller)."""
     if not callable(getattr(bar, "reset", None)):
-        return
-    bar.reset(total=bar.total)
+        return False
+    bar.display = _no_display  # reset draws the bar at 0: not again
+    try:
+        bar.reset(total=bar.total)
+    finally:
+        del bar.display  # tqdm's own again
     bar.initial = bar.n = bar.last_print_n = step
     bar.refresh()
+    return True
+
+
+def _no_display(*args: Any, **kwargs: Any) -> None:
+    """A bar's ``display`` that draws nothing."""
 
 
 def pace(every: int, k: int, target: float, steps: int, seconds: float) -> int:

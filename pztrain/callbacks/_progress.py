@@ -97,13 +97,13 @@ class ProgressBar(Callback):
         if self._last is not None:
             last_step, last_t = self._last
             if step > last_step:
-                self.bar.update(step - last_step)
+                # The first move has the compile behind it: the clock restarts.
+                if self._timed or not restart_clock(self.bar, step):
+                    self.bar.update(step - last_step)
+                self._timed = True
                 self._every = pace(
                     self._every, self._k, self.seconds, step - last_step, t - last_t
                 )
-                if not self._timed:  # the first move: the compile is behind
-                    restart_clock(self.bar, step)
-                    self._timed = True
         self._last = (step, t)
         return (step // self._every + 1) * self._every
 

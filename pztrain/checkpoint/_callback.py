@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from pztrain._tree import all_finite
 from pztrain.callbacks import Callback
 from pztrain.checkpoint import _directory, _format
@@ -125,10 +127,12 @@ class Checkpoints(Callback):
         self._eval: tuple[int, dict[str, float]] | None = None  # (step, metrics)
         self._latest_metrics: dict[str, float] = {}
         self._hparams: dict[str, Any] = {}
-        self._stale: list[int] = []  # another run's steps, deleted at the start
+        self._stale: list[int] = []  # the steps overwrite deletes at the start
         self._saves = self._ranked = 0  # saves this run, and those with monitor
         self._running = False  # between on_train_start and on_train_end
         self.continues_run = False  # see prepare
+        self.elapsed = 0.0  # see restore_latest
+        self._time: float | None = None  # the newest record's time
         self.owed_eval: tuple[int, int] | None = None  # see restore_latest
 
     @property
@@ -220,6 +224,8 @@ class Checkpoints(Callback):
 
     def _metadata(self, state: TrainState, metrics: dict | None) -> dict[str, Any]:
         meta = {"callbacks": self._callback_states(), "hparams": self._hparams}
+        if self._time is not None:
+            meta["time"] = self._time  # where a resumed run's record times go on
         meta = _format.state_metadata(state, meta)
         if metrics:
             meta["metrics"] = metrics
@@ -260,8 +266,10 @@ class Checkpoints(Callback):
         ``continues_run``: ``resume`` into a directory a run used (its log goes on).
 
         Raises:
-          CheckpointError: if the directory cannot be written or holds another run's
-            checkpoints; `pztrain.CheckpointMismatchError` (see `restore_latest`).
+          CheckpointError: if the directory cannot be written, or holds
+            checkpoints and not ``resume`` (the message relates them to
+            ``state.step``); `pztrain.CheckpointMismatchError` (see
+            `restore_latest`).
           DirectoryInUseError: if another run holds the directory's lock.
         """
         self._new_run()
@@ -271,7 +279,7 @@ class Checkpoints(Callback):
             return self.restore_latest(state, callbacks) or state
         steps = self.steps()
         if not self.overwrite:
-            _directory.refuse_used(self.directory, steps)
+            _directory.refuse_used(self.directory, steps, _step_of(state))
         self._stale = steps  # deleted when training starts (nothing failed before)
         return state
 
@@ -296,7 +304,8 @@ class Checkpoints(Callback):
         Returns:
           The restored state, or ``None`` if there is no readable checkpoint.
           ``owed_eval`` then holds the evaluation that a stop left undone at
-          its step (see `save_stopped`), or ``None``.
+          its step (see `save_stopped`), or ``None``; ``elapsed`` the records'
+          ``time`` when it was saved (where the resumed run's go on), or 0.
 
         Raises:
           CheckpointMismatchError: if a readable checkpoint's structure differs
@@ -307,6 +316,7 @@ class Checkpoints(Callback):
             return None
         self.points.saved(found.step)
         self.owed_eval = found.owed_eval
+        self.elapsed = found.time
         for i, cb in enumerate(callbacks):
             if _state_key(i, cb) in found.callbacks:
                 cb.load_state_dict(found.callbacks[_state_key(i, cb)])
@@ -350,6 +360,7 @@ class Checkpoints(Callback):
 
     def on_log(self, state, record):
         self._latest_metrics.update(record["metrics"])
+        self._time = record.get("time", self._time)
         self.points.logged(record["step"])
 
     def on_eval_end(self, state, record):
@@ -362,6 +373,7 @@ class Checkpoints(Callback):
                     f"metrics {sorted(metrics)}."
                 )
         self._eval = (record["step"], metrics)
+        self._time = record.get("time", self._time)
         self.points.evaluated(record["step"])
 
     def on_epoch_end(self, state, epoch):
@@ -406,3 +418,12 @@ def _state_key(index: int, callback: Callback) -> str:
     """Where a callback's ``state_dict`` goes in a checkpoint: its ``state_key`` if
     it has one (the data's iterator state), else place:class (``"0:EarlyStopping"``)."""
     return getattr(callback, "state_key", None) or f"{index}:{type(callback).__name__}"
+
+
+def _step_of(state: TrainState) -> int | None:
+    """``state.step`` read to the host (``None`` if it cannot be: abstract)."""
+    try:
+        with jax.transfer_guard_device_to_host("allow"):
+            return int(state.step)
+    except Exception:  # noqa: BLE001 - the message then says less
+        return None

@@ -101,6 +101,8 @@ class Found(NamedTuple):
       owed_eval: The ``(step, epoch)`` of an evaluation that a stop left
         undone before it was saved (the resumed run does it first), or
         ``None``.
+      time: The run's records' ``time`` when it was saved (0.0 if it does
+        not say).
     """
 
     state: TrainState | None
@@ -109,6 +111,7 @@ class Found(NamedTuple):
     unreadable: list[int]
     metrics: dict[int, dict[str, float] | None]
     owed_eval: tuple[int, int] | None = None
+    time: float = 0.0
 
 
 def newest_readable(directory: Path, steps: list[int], like: TrainState) -> Found:
@@ -131,7 +134,8 @@ def newest_readable(directory: Path, steps: list[int], like: TrainState) -> Foun
             metrics[step] = found[1].get("metrics")
             callbacks = found[1].get("callbacks", {})
             owed = _owed_eval(found[1].get("owed_eval"), step)
-            return Found(found[0], step, callbacks, unreadable, metrics, owed)
+            time = _stored_time(found[1].get("time"))
+            return Found(found[0], step, callbacks, unreadable, metrics, owed, time)
         unreadable.append(step)
     return Found(None, None, {}, unreadable, {})
 
@@ -156,6 +160,12 @@ def _owed_eval(stored: Any, step: int) -> tuple[int, int] | None:
         if isinstance(epoch, int) and not isinstance(epoch, bool):
             return step, epoch
     return None
+
+
+def _stored_time(stored: Any) -> float:
+    """The time stored with a checkpoint (0.0 if none, or not a time)."""
+    ok = isinstance(stored, int | float) and not isinstance(stored, bool)
+    return float(stored) if ok and 0 <= stored < float("inf") else 0.0
 
 
 def _stored_metrics(path: Path) -> dict[str, float] | None:
@@ -193,14 +203,50 @@ def must_replace(directory: Path, steps: list[int], step: int, overwrite: bool) 
     return step in steps
 
 
-def refuse_used(directory: Path, steps: list[int]) -> None:
-    """Refuses a fresh run into ``directory`` if it holds checkpoints ``steps``."""
-    if steps:
-        raise CheckpointError(
-            f"{directory} already holds checkpoints {steps} of another run. Pass "
-            "resume=True to fit to continue it, choose a new directory, or pass "
-            "Checkpoints(..., overwrite=True) to delete them."
+def refuse_used(directory: Path, steps: list[int], step: int | None = None) -> None:
+    """Refuses a fresh run from a state at ``step`` (``None``: unknown) into
+    ``directory`` if it holds checkpoints ``steps``. The message says how the
+    state relates to them, and names the call for each way on.
+
+    Example:
+      >>> refuse_used(Path("ckpt"), [500, 600, 651], 651)
+      Traceback (most recent call last):
+      ...
+      pztrain.checkpoint._metadata.CheckpointError: ckpt already holds \
+checkpoints [500, 600, 651], the newest at this state's step (651): a run that \
+stopped there saved it. Pass resume=True to fit to go on from there (with the \
+callbacks' states and the log), choose a new directory, or pass \
+Checkpoints(..., overwrite=True) to delete them.
+    """
+    if not steps:
+        return
+    newest, head = max(steps), f"{directory} already holds checkpoints {steps}"
+    rest = (
+        "choose a new directory, or pass Checkpoints(..., overwrite=True) to "
+        "delete them."
+    )
+    if step == newest:
+        why = (
+            f", the newest at this state's step ({step}): a run that stopped "
+            "there saved it. Pass resume=True to fit to go on from there (with "
+            f"the callbacks' states and the log), {rest}"
         )
+    elif step is not None and step > newest:
+        why = (
+            f", up to step {newest}, before this state's step ({step}). Pass "
+            "Checkpoints(..., overwrite=True) to go on from this state (it "
+            f"deletes them), resume=True to fit to go on from step {newest}, or "
+            "choose a new directory."
+        )
+    elif step in steps:
+        why = (
+            f", up to step {newest}, after this state's step ({step}). Pass "
+            f"resume=True to fit to go on from step {newest}, {rest}"
+        )
+    else:
+        at = "" if step is None else f" (this state is at step {step})"
+        why = f" of another run{at}. Pass resume=True to fit to continue it, {rest}"
+    raise CheckpointError(head + why)
 
 
 def failed_save(directory: Path, step: int | None, error: Exception) -> CheckpointError:

@@ -246,9 +246,9 @@ def load_params(
         both names), no EMA weights (with ``ema``), or a state of another member
         count than ``like``; a ``rename`` rule fits no name or joins two.
       TypeError, ValueError: a malformed ``rename`` (or one with ``ema``).
-      CheckpointError: the checkpoint cannot be trusted: incomplete, or array
-        files missing, truncated, outside it, described otherwise than its JSON,
-        or whose bytes fail their checksum (naming the parameter and the file).
+      CheckpointError: a file, or a checkpoint that cannot be trusted:
+        incomplete, or array files missing, truncated, outside it, described
+        otherwise than its JSON, or failing their checksum (each named).
 
     Example:
       >>> import tempfile, jax.numpy as jnp
@@ -257,7 +257,7 @@ def load_params(
       ...     load_params(p, {"body": jnp.zeros(2), "new": jnp.zeros(1)}, partial=True)
       {'body': Array([1., 1.], dtype=float32), 'new': Array([0.], dtype=float32)}
     """
-    path = checkpoint_dir(directory)
+    path = _checkpoint_dir(directory, "load_params")
     meta = read_metadata(path)
     check_members(path, meta, like)
     params, rebuild = params_target(like)
@@ -300,8 +300,8 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
         ``like`` 's (a population against one run: both counts named), or its names,
         paths, shapes, dtypes or stored numbers differ (each named). Resuming
         refuses it.
-      CheckpointError: the checkpoint cannot be trusted (see `load_params`).
-        Resuming skips it.
+      CheckpointError: ``directory`` is a file, or the checkpoint cannot be
+        trusted (see `load_params`). Resuming skips it.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, optax
@@ -312,7 +312,7 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
       ...     print(load_state(path, jax.eval_shape(lambda: state)).params["w"])
       [1. 1.]
     """
-    path = checkpoint_dir(directory)
+    path = _checkpoint_dir(directory, "load_state")
     meta = read_metadata(path)
     if "state" not in meta:
         raise CheckpointMismatchError(
@@ -335,6 +335,19 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
     arrays = [restored["state"][str(i)] for i in range(len(like_arrays))]
     rest = _filled_state(like, arrays, scalars)
     return state_with_params(like, rest, filled(like_params, by_name))
+
+
+def _checkpoint_dir(directory: str | os.PathLike, call: str) -> Path:
+    """`checkpoint_dir`, refusing a file (naming ``call`` and the file)."""
+    if (path := Path(directory)).exists() and not path.is_dir():
+        fix = "pass the directory that save_params, save_state or Checkpoints wrote"
+        if path.suffix == ".safetensors":
+            fix = "read a .safetensors file with pztrain.import_safetensors(path, like)"
+        raise CheckpointError(
+            f"{call}({str(directory)!r}, ...): {path} is a file, not a checkpoint "
+            f"directory; {fix}."
+        )
+    return checkpoint_dir(path)
 
 
 def check_members(path: Path, meta: dict[str, Any], like: Any) -> None:

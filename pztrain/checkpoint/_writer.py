@@ -3,11 +3,16 @@
 An orbax ``CheckpointManager`` that keeps every checkpoint (which to delete is
 `pztrain.checkpoint._retention`'s decision) and remembers a save that failed
 in the background, so that every later call raises its error, naming its step.
+
+A ``KeyboardInterrupt`` while it waits for a save (a second Ctrl-C during the
+save of a stopped run) gets one line, a note naming the save, in place of the
+traceback orbax logs at ERROR level.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +82,15 @@ class Writer:
         if self._manager is None:
             return
         try:
-            self._manager.wait_until_finished()
+            with _quiet_interrupts():
+                self._manager.wait_until_finished()
+        except KeyboardInterrupt as e:
+            e.add_note(
+                f"pztrain: interrupted while checkpoint {self._saving} was being "
+                f"written to {self.directory}; the save goes on until it is complete "
+                "(an unfinished one is removed when the run resumes)."
+            )
+            raise
         except Exception as e:
             raise self._failed(self._saving, e) from e
         self._saving = None
@@ -109,3 +122,24 @@ class Writer:
         self._saving = None
         self.failed = _directory.failed_save(self.directory, step, error)
         return self.failed
+
+
+class _DropInterrupts(logging.Filter):
+    """Drops the records that log a ``KeyboardInterrupt`` (orbax's ERROR
+    "Save Finalize thread ... failed" with its traceback, when Ctrl-C stops
+    the wait for a save)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = record.exc_info[0] if record.exc_info else None
+        return not (kind is not None and issubclass(kind, KeyboardInterrupt))
+
+
+@contextlib.contextmanager
+def _quiet_interrupts():
+    """Within it, orbax's logger (absl's) logs no ``KeyboardInterrupt``."""
+    logger, drop = logging.getLogger("absl"), _DropInterrupts()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)

@@ -16,6 +16,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -342,12 +343,26 @@ def _schedule(state: TrainState, args: FitArguments) -> Schedule:
 
 
 def _own_run_dir(args: FitArguments) -> str | os.PathLike | None:
-    """``run_dir``, unless it is the checkpoint directory (locked by it)."""
-    ckpt = args.checkpoints
-    if args.run_dir is None or ckpt is None:
-        return args.run_dir
-    same = os.path.abspath(args.run_dir) == str(ckpt.directory)
-    return None if same else args.run_dir
+    """``run_dir``, unless it is the checkpoint directory (locked by it).
+
+    Raises:
+      ValueError: if ``run_dir`` is a file or a log file's name (refused
+        before the lock would make it a directory).
+    """
+    run_dir, ckpt = args.run_dir, args.checkpoints
+    path = Path(run_dir or ".")
+    is_file = path.exists() and not path.is_dir()
+    if run_dir is not None and (is_file or path.suffix in (".jsonl", ".csv", ".json")):
+        what = "is a file" if is_file else f"names a {path.suffix} file"
+        raise ValueError(
+            f"fit(run_dir={str(run_dir)!r}): {path} {what}, not a directory. "
+            "run_dir is the directory of the run's log (metrics.jsonl) and lock: "
+            "pass a new directory, or the one whose log the run goes on with."
+        )
+    if run_dir is None or ckpt is None:
+        return run_dir
+    same = os.path.abspath(run_dir) == str(ckpt.directory)
+    return None if same else run_dir
 
 
 def _outputs(args: FitArguments, start: int) -> tuple[list[Logger], list]:

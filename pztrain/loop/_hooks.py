@@ -60,8 +60,10 @@ class Hooks:
 
         Raises:
           TypeError: naming the hook, if it returns anything but ``None``, a
-            `TrainState` or a `Stop` (whose state is one or ``None``), or a
-            state whose step is not an integer scalar.
+            `TrainState` or a `Stop` (whose state is one or ``None``), a state
+            whose step is not an integer scalar, or a state of another
+            structure than the one it was given (other fields, leaves, shapes
+            or dtypes: another model's), naming the first that differ.
         """
         stop = None
         for cb in self.callbacks:
@@ -99,7 +101,9 @@ def _taken(where: str, out: Any, state: TrainState) -> tuple[TrainState, Any]:
     if stop is not None and new is None:
         return state, stop
     if isinstance(new, TrainState):
-        return _with_array_step(where, new, state), stop
+        new = _with_array_step(where, new, state)
+        _check_structure(where, new, state)
+        return new, stop
     if stop is not None:
         raise TypeError(
             f"{where} returned Stop(state=<{type(new).__name__}>); Stop.state is a "
@@ -125,6 +129,46 @@ def _with_array_step(where: str, new: TrainState, old: TrainState) -> TrainState
         f"{where} returned a state whose step is {describe(step)}; a step is an "
         "integer scalar: keep state.step, or set it with jnp.asarray(n, jnp.int32)."
     )
+
+
+def _check_structure(where: str, new: TrainState, old: TrainState) -> None:
+    """Refuses ``new`` if its tree or a leaf's shape or dtype differs from
+    ``old`` 's: the step, the checkpoints and a resume need the run's own."""
+    (new_leaves, new_tree), (old_leaves, old_tree) = map(jax.tree.flatten, (new, old))
+    if new_tree == old_tree and all(map(_same_kind, new_leaves, old_leaves)):
+        return
+    got, had = _leaves(new), _leaves(old)
+    diffs = [
+        f"{p} is {describe(got[p])}, was {describe(x)}"
+        for p, x in had.items()
+        if p in got and not _same_kind(got[p], x)
+    ]
+    diffs += [f"{p} is missing" for p in had if p not in got]
+    diffs += [f"{p} is new" for p in got if p not in had]
+    more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+    what = "; ".join(diffs[:3]) or "its static fields differ (another model class?)"
+    raise TypeError(
+        f"{where} returned a TrainState of another structure than the state it "
+        f"was given: {what}{more}. A hook may change the values (params, "
+        "optimizer state, hyperparameters), not the structure: the train step, "
+        "the checkpoints and a resume need the run's own. Return "
+        "state.replace(params=...) with params shaped as state.params."
+    )
+
+
+def _leaves(state: TrainState) -> dict[str, Any]:
+    """The leaves of ``state`` by path (``state.params['w']``)."""
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    return {"state" + jax.tree_util.keystr(p): x for p, x in flat}
+
+
+def _same_kind(a: Any, b: Any) -> bool:
+    """Same shape, and the same dtype unless one is a Python number (which
+    passes for a scalar of any dtype)."""
+    dtypes = getattr(a, "dtype", None), getattr(b, "dtype", None)
+    if np.shape(a) != np.shape(b):
+        return False
+    return None in dtypes or str(dtypes[0]) == str(dtypes[1])
 
 
 def _defines(cb: Callback, hook: str) -> bool:

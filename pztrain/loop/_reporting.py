@@ -11,6 +11,12 @@ A train record also carries the throughput since the last log point
 a batch), from the clock read at each log point: no device read of its own.
 When log points do not wait for the device, the rate is that of dispatch, which
 the device paces over more than a few steps; the first includes compiling.
+
+A record's ``time`` is the seconds since the run started: since `fit` was
+called, plus, in a run resumed from a checkpoint, the records' time when that
+checkpoint was saved (`Checkpoints.elapsed`), so a resumed log's times go on
+from where they stopped (the time between the stop and the resume is not
+counted). ``fit(state, ...)`` going on from a returned state starts at 0.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pztrain._members import spread
+from pztrain.checkpoint import Checkpoints
 from pztrain.loop._hooks import Hooks, host_reads
 from pztrain.metrics import MetricSums
 from pztrain.records import Stop
@@ -51,7 +58,7 @@ class Reporter:
     Args:
       hooks: The run's hooks.
       clock: The loop's clock (seconds); record times count from its first
-        reading.
+        reading, after the time of the checkpoint the run resumed from.
       state: The state at the start (to see whether a learning rate is
         injected).
     """
@@ -67,6 +74,7 @@ class Reporter:
         self.clock = clock
         self.late = hooks.record_only
         self._t0 = clock()
+        self._elapsed = _resumed_time(hooks)
         self._logs_lr = _has_injected_lr(state)
         self._pending: _LogPoint | None = None
         self._last = (start, self._t0)  # the last log point's step and time
@@ -163,7 +171,7 @@ class Reporter:
             "step": step,
             "epoch": epoch,
             "split": split,
-            "time": round(t - self._t0, 4),
+            "time": round(t - self._t0 + self._elapsed, 4),
             "metrics": values,
         }
 
@@ -171,6 +179,13 @@ class Reporter:
 def _first(stop: Stop | None, state: TrainState, new_stop: Stop | None):
     """``(state, stop)`` keeping the earlier Stop."""
     return state, stop or new_stop
+
+
+def _resumed_time(hooks: Hooks) -> float:
+    """The records' time when the checkpoint the run resumed from was saved
+    (0.0 for a run that did not resume)."""
+    found = [cb.elapsed for cb in hooks.callbacks if isinstance(cb, Checkpoints)]
+    return max(found, default=0.0)
 
 
 def _has_injected_lr(state: TrainState) -> bool:

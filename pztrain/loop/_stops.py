@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pztrain.loop._hooks import host_reads
-from pztrain.loop._signals import INTERRUPTED, StopFlag
+from pztrain.loop._signals import StopFlag
 from pztrain.state import DonatedStateError, TrainState
 
 __all__ = ["keep_state", "stop_line"]
@@ -50,6 +50,11 @@ def stop_line(flag: StopFlag, step: int, saved: Path | None) -> str:
     """The one line `fit` prints when a signal stopped it at ``step``
     (``saved``: the checkpoint of that step, if there is one).
 
+    It names the call that goes on: ``fit(state, ...)`` from the returned
+    state, or, once a checkpoint of that step is saved, ``fit(...,
+    resume=True)`` (in this process or a new one; a run with checkpoints
+    refuses to start without it in a directory that holds some).
+
     Example:
       >>> from pztrain.loop._signals import LocalFlag
       >>> import signal
@@ -58,6 +63,9 @@ def stop_line(flag: StopFlag, step: int, saved: Path | None) -> str:
       >>> print(stop_line(flag, 37, None))
       pztrain.fit: interrupted (SIGINT) at step 37. The returned state is that \
 step's: fit(state, ...) goes on from there.
+      >>> print(stop_line(flag, 37, Path("ckpt/37")))
+      pztrain.fit: interrupted (SIGINT) at step 37. Checkpoint saved: ckpt/37. \
+fit(..., resume=True) goes on from there.
     """
     how = flag.signal_name or "another process got the signal"
     head = f"pztrain.fit: {flag.reason} ({how}) at step {step}."
@@ -65,11 +73,6 @@ step's: fit(state, ...) goes on from there.
         return (
             f"{head} The returned state is that step's: fit(state, ...) goes on "
             "from there."
-        )
-    if flag.reason == INTERRUPTED:
-        return (
-            f"{head} Checkpoint saved: {saved}. fit(state, ...) goes on from "
-            "there (or fit(..., resume=True) in a new process)."
         )
     return (
         f"{head} Checkpoint saved: {saved}. fit(..., resume=True) goes on from there."
