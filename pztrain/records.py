@@ -123,7 +123,8 @@ class History:
     """The records a run logged, in order.
 
     Each record is a dict: ``step``, ``epoch``, ``split`` (``"train"`` or
-    ``"eval"``), ``time`` (wall time in seconds since `pztrain.fit` started)
+    ``"eval"``), ``time`` (wall time in seconds since the run started, going on
+    across a resume from a checkpoint)
     and ``metrics``. A train record also has ``steps_per_sec`` since the last
     log point, ``examples_per_sec`` when the batch size is known, and the
     step's FLOPs (``flops_per_step``, ``flops_per_sec``, and ``mfu`` when the
