@@ -195,7 +195,9 @@ class History:
         One axes per metric: a train metric and the eval metric of the same name
         share one (with the EMA's, ``"ema/<name>"``: `pztrain.with_ema`), the
         learning rate has its own, and the per-parameter grad norms
-        (``"grad_norm/<param>"``) share one, a line per parameter. For a
+        (``"grad_norm/<param>"``) share one, a line per parameter. A metric
+        named in ``names`` brings its EMA's line, and ``"grad_norm"`` the
+        per-parameter panel, when they were logged. For a
         population (`pztrain.population`) a metric's panel has a thin line per
         member (``"loss/member_<i>"``) under its mean, drawn bold.
 
@@ -264,8 +266,9 @@ class History:
         logged = {s: self.metric_names(s) for s in splits}
         every = {SPREAD.sub("", n) for n in set().union(*logged.values())}
         wanted = sorted(every) if names is None else names
+        wanted = [wanted] if isinstance(wanted, str) else list(wanted)
         panels: dict[str, list[tuple[str, str, str]]] = {}
-        for entry in [wanted] if isinstance(wanted, str) else wanted:
+        for entry in _with_companions(wanted, every):
             first, _, rest = entry.partition("/")
             only = first if rest and first in ("train", "eval") else None
             name = rest if only else entry
@@ -298,6 +301,25 @@ class History:
 # metric's own panel, and the progress bar leaves them out.
 SPREAD = re.compile(r"/(member_\d+|min|max)$")
 _MEMBER_LINE = {"linewidth": 0.8, "alpha": 0.45}
+
+
+def _with_companions(wanted: list[str], logged: set[str]) -> list[str]:
+    """``wanted`` with, after each metric, the lines drawn with it: its EMA's
+    (``"ema/<name>"``) and, after ``"grad_norm"``, every parameter's
+    (``"grad_norm/<param>"``)."""
+    out: list[str] = []
+    for entry in wanted:
+        first, _, rest = entry.partition("/")
+        prefix, name = (
+            (f"{first}/", rest) if first in ("train", "eval") else ("", entry)
+        )
+        more = [f"ema/{name}"] if f"ema/{name}" in logged else []
+        if name == "grad_norm":
+            more += sorted(n for n in logged if n.startswith("grad_norm/"))
+        for item in [entry, *(prefix + m for m in more)]:
+            if item not in out:
+                out.append(item)
+    return out
 
 
 def _pyplot() -> Any:

@@ -353,3 +353,50 @@ def _wandb_records(path):
         if kind in (1, 4):  # FULL or LAST
             yield wandb_internal_pb2.Record.FromString(pending)
             pending = b""
+
+
+def test_named_panels_bring_the_ema_and_the_per_parameter_norms():
+    """Notebook 07's figure: plot(["loss", "accuracy", "grad_norm"]) shows the
+    EMA's lines and a line per parameter's grad norm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = []
+    for s in (1, 2):
+        records.append(
+            {
+                "step": s,
+                "split": "train",
+                "metrics": {
+                    "loss": 1.0 / s,
+                    "grad_norm": 2.0,
+                    "grad_norm/w": 1.0,
+                    "grad_norm/b": 0.5,
+                },
+            }
+        )
+        records.append(
+            {
+                "step": s,
+                "split": "eval",
+                "metrics": {
+                    "loss": 1.5 / s,
+                    "ema/loss": 1.2 / s,
+                    "accuracy": 0.5,
+                    "ema/accuracy": 0.6,
+                },
+            }
+        )
+    fig = History(records).plot(["loss", "accuracy", "grad_norm"])
+    panels = {
+        ax.get_title(): [line.get_label() for line in ax.lines] for ax in fig.axes
+    }
+    assert panels == {
+        "loss": ["train", "eval", "eval EMA"],
+        "accuracy": ["eval", "eval EMA"],
+        "grad_norm": ["train"],
+        "grad_norm per param": ["b", "w"],
+    }
+    plt.close(fig)
