@@ -211,9 +211,10 @@ class GrainLoader(StepLoader):
 
     def fit_source(
         self, start: int, steps_per_call: int, prefetch: int, sharding: Any
-    ) -> StepBlocks | None:
-        """Blocks of 32 steps from step ``start`` (`pztrain.data._blocks`), or
-        ``None`` (a step at a time) when a block's batches would be large."""
+    ) -> Any:
+        """Blocks of 32 steps from step ``start`` (a ``StepBlocks``, in
+        ``pztrain.data._blocks``), or ``None`` (a step at a time) when a
+        block's batches would be large."""
         size = block_steps(self._batch_bytes, steps_per_call)
         if not size:
             return None
