@@ -14,10 +14,8 @@ checkpoint (`pztrain.data._sequential`).
 * `pztrain.data._stepped`: `StepLoader`, what both loaders promise;
 * `pztrain.data._loader`: `ArrayLoader`, host batches and on-device epochs
   (`IndexedBatches`);
-* `pztrain.data._grain`: `GrainLoader` (grain, ArrayRecord and Hugging Face
-  datasets, through `BulkSource`; records decoded a batch at a time with a
-  `RecordLayout`), read by `fit` a block of steps at a time
-  (`pztrain.data._blocks`).
+* `pztrain.data._grain`: `GrainLoader` (grain and Hugging Face datasets,
+  through `BulkSource`).
 """
 
 from pztrain.data._batch import BatchError, check_batch, stack_batches
@@ -25,7 +23,6 @@ from pztrain.data._bulk import BulkSource
 from pztrain.data._grain import GrainLoader
 from pztrain.data._loader import ArrayLoader, IndexedBatches
 from pztrain.data._placement import prefetch_to_device, put_batch
-from pztrain.data._records import RecordLayout
 from pztrain.data._stepped import StepLoader
 
 __all__ = [
@@ -34,7 +31,6 @@ __all__ = [
     "GrainLoader",
     "BulkSource",
     "IndexedBatches",
-    "RecordLayout",
     "StepLoader",
     "check_batch",
     "prefetch_to_device",

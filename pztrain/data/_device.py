@@ -26,9 +26,7 @@ class IndexedBatches:
     mesh the arrays are sharded ``P(None, data)``: every device holds its rows
     of every batch, so the slice is local to each device and moves no data.
     `ArrayLoader` with ``on_device=True`` makes one per epoch, permuting its
-    device copy once; `pztrain.fit` reads a `GrainLoader` as one per block of
-    32 steps (``steps_per_epoch`` then the block's length: step ``s`` is row
-    ``s % 32`` of the block that holds it).
+    device copy once.
 
     A pytree: the arrays are its leaves, the two sizes are static.
 

@@ -1,20 +1,17 @@
-"""What one process reads for a run of steps of a random-access dataset.
+"""What one process reads for one step of a random-access dataset.
 
 Global batch ``s`` is a function of ``s``, the seed and the dataset's length:
-epoch ``e = s // steps_per_epoch`` is a permutation of the examples seeded
-from ``(seed, e)`` (`pztrain.data._order`), cut into batches of
-``batch_size``. Each process reads only its block of rows of that batch
-(`process_rows`), checks the examples (a flat dict of numeric arrays of one
-shape) and stacks them.
+epoch ``e = s // steps_per_epoch`` is a permutation of the examples (grain's
+own shuffle, seeded per epoch), cut into batches of ``batch_size``. Each
+process reads only its block of rows of that batch (`process_rows`), checks
+every example (a flat dict of numeric arrays of one shape) and stacks them.
 
 The examples are read at index ``e * n + i`` for example ``i`` in epoch ``e``
 (a grain dataset of length ``n`` reads index ``j`` as ``j mod n``), so the
 random transformations of a grain pipeline (``shuffle``, ``random_map``) draw
 new values each epoch, and the same values whatever the process count.
 
-The rows of several steps are read in one call to the source (`Rows.read_steps`):
-one permutation over all their places, one batched read, one decode. `Rows`,
-`ReadCalls` and `ReadBlocks` are picklable: grain's worker processes run them.
+`Rows` and `ReadCalls` are picklable: grain's worker processes run them.
 """
 
 from __future__ import annotations
@@ -27,11 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pztrain._tree import describe, describe_shape
-from pztrain.data._batch import BatchError
-from pztrain.data._bulk import BulkSource
-from pztrain.data._order import grain_order, shuffled
+from pztrain.data._batch import BatchError, stack_batches
 
-__all__ = ["BatchTransform", "ReadBlocks", "ReadCalls", "Rows", "stack_examples"]
+__all__ = ["BatchTransform", "ReadCalls", "Rows", "stack_examples"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,21 +34,17 @@ class Rows:
     """Where a process's rows of each global batch come from.
 
     Attributes:
-      examples: A grain ``MapDataset`` of examples (flat dicts of arrays), read
-        with ``_getitems(positions)``; or a `pztrain.data.BulkSource`, read
-        with ``read(positions)`` (records, or a dict of columns).
+      examples: A grain ``MapDataset`` of examples (flat dicts of arrays), or
+        a `pztrain.data.BulkSource` (a data source read a batch at a time);
+        either reads with ``_getitems(positions)``.
       num_examples: Its length ``n`` (one epoch).
       batch_size: Examples per global batch.
       rows: This process's ``(start, stop)`` rows of each global batch.
       seed: Shuffle each epoch with this seed (``None``: the dataset's own
-        order): place ``i`` of epoch ``e`` holds example ``permute(i)`` keyed
-        by ``(seed, e)``.
-      transform: ``(batch, positions) -> batch``, run on the stacked rows of
-        each step (`BatchTransform`), or ``None``.
-      decode: ``records -> batch``: turns what the source returns for a run of
-        rows (a list of records) into a dict of arrays, or ``None``.
-      order: ``"feistel"`` (`pztrain.data._order.shuffled`) or ``"grain"``
-        (grain's ``index_shuffle`` of place ``i`` seeded ``seed + e``).
+        order), as grain's ``MapDataset.shuffle(seed)`` does: place ``i`` of
+        epoch ``e`` holds example ``index_shuffle(i, seed=seed + e)``.
+      transform: ``(batch, positions) -> batch``, run on the stacked rows
+        (`BatchTransform`), or ``None``.
     """
 
     examples: Any
@@ -62,118 +53,78 @@ class Rows:
     rows: tuple[int, int]
     seed: int | None = None
     transform: Any = None
-    decode: Any = None
-    order: str = "feistel"
 
     @property
     def steps_per_epoch(self) -> int:
         return self.num_examples // self.batch_size
 
-    def positions(
-        self, steps: Sequence[int] | np.ndarray, rows: tuple[int, int] | None = None
-    ) -> np.ndarray:
-        """The indices ``e * n + i`` read for ``rows`` of each global batch in
-        ``steps``: int64 ``[len(steps), rows]``, all at once."""
+    def positions(self, step: int, rows: tuple[int, int] | None = None) -> list[int]:
+        """The indices ``e * n + i`` read for ``rows`` of global batch ``step``."""
         n = self.num_examples
+        epoch, index = divmod(step, self.steps_per_epoch)
         start, stop = self.rows if rows is None else rows
-        epochs, index = np.divmod(np.asarray(steps, np.int64), self.steps_per_epoch)
-        places = (index * self.batch_size)[:, None] + np.arange(start, stop)
-        epochs = np.broadcast_to(epochs[:, None], places.shape)
-        if self.seed is not None and self.order == "grain":
-            places = grain_order(places, n, (self.seed + epochs) % 2**32)
-        elif self.seed is not None:
-            places = shuffled(places, epochs, n, self.seed)
-        return epochs * n + places
+        first = epoch * n + index * self.batch_size
+        if self.seed is None:
+            return list(range(first + start, first + stop))
+        from grain.experimental import index_shuffle  # grain's shuffle, per index
+
+        seed, last = (self.seed + epoch) % 2**32, n - 1
+        first -= epoch * n
+        return [
+            epoch * n + index_shuffle(i, max_index=last, seed=seed, rounds=4)
+            for i in range(first + start, first + stop)
+        ]
 
     def read(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of global batch ``step``, read and stacked."""
-        return {k: v[0] for k, v in self.read_steps([step]).items()}
+        return self.read_at(self.positions(step))
 
-    def read_steps(self, steps: Sequence[int]) -> dict[str, np.ndarray]:
-        """This process's rows of each global batch in ``steps``, read in one
-        call and stacked ``[len(steps), rows, ...]``."""
-        positions = self.positions(steps)
-        batch = self.read_at(positions.reshape(-1))
-        rows = positions.shape[1]
-        if self.transform is not None:
-            each = [
-                BatchTransform(self.transform)(
-                    {k: v[i * rows : (i + 1) * rows] for k, v in batch.items()}, p
-                )
-                for i, p in enumerate(positions)
-            ]
-            return {k: np.stack([b[k] for b in each]) for k in each[0]}
-        return {
-            k: v.reshape(len(positions), rows, *v.shape[1:]) for k, v in batch.items()
-        }
-
-    def read_at(self, positions: np.ndarray) -> dict[str, np.ndarray]:
-        """The examples at ``positions``, read in one call and stacked."""
-        if isinstance(self.examples, BulkSource):
-            got = self.examples.read(positions)
-        else:  # a grain pipeline: its own batched read, example by example
-            got = self.examples._getitems(positions.tolist())  # grain's
-        if self.decode is not None:
-            return BatchTransform(self.decode, "decode")(got, positions)
-        if isinstance(got, Mapping):  # columns (a Hugging Face dataset)
-            stacked = _checked_columns(got, len(positions))
-            if stacked is not None:
-                return stacked
-            got = [{k: v[j] for k, v in got.items()} for j in range(len(positions))]
-        return stack_examples(got, positions, self.num_examples)
+    def read_at(self, positions: list[int]) -> dict[str, np.ndarray]:
+        """The examples at ``positions``, read, stacked and transformed."""
+        items = self.examples._getitems(positions)  # grain's batched read
+        batch = stack_examples(items, positions, self.num_examples)
+        if self.transform is None:
+            return batch
+        return BatchTransform(self.transform)(batch, positions)
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchTransform:
-    """A function that returns a batch, its result checked.
+    """A function on whole batches, its result checked.
 
     Attributes:
       fn: ``fn(batch, positions) -> batch``: ``batch`` a dict of arrays with a
         leading example axis, ``positions`` an int64 array of the index each
         row was read at (``e * n + i``: example ``i`` in epoch ``e``). It
-        returns a dict of arrays with the same number of rows. With ``role``
-        ``"decode"``: ``fn(records) -> batch``, records as the source gives
-        them.
-      role: The argument of `pztrain.GrainLoader` it came from.
+        returns a dict of arrays with the same number of rows.
     """
 
     fn: Any
-    role: str = "batch_transform"
 
-    def __call__(self, batch: Any, positions: Sequence[int]) -> dict:
+    def __call__(self, batch: dict, positions: Sequence[int]) -> dict:
         rows = len(positions)
-        if self.role == "decode":
-            out = self.fn(batch)
-        else:
-            out = self.fn(batch, np.asarray(positions, np.int64))
+        out = self.fn(batch, np.asarray(positions, np.int64))
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
         if not isinstance(out, Mapping):
             raise BatchError(
-                f"{self.role} {name} returned a {type(out).__name__}; it must "
+                f"batch_transform {name} returned a {type(out).__name__}; it must "
                 "return the batch: a dict of arrays, one row per example."
             )
         for key, value in out.items():
             shape = np.shape(value)
             if not shape or shape[0] != rows or not isinstance(key, str):
                 raise BatchError(
-                    f"{self.role} {name} returned {key!r} of shape {shape} for "
+                    f"batch_transform {name} returned {key!r} of shape {shape} for "
                     f"a batch of {rows} rows: each value needs its rows along the "
                     "first axis."
                 )
-        out = {k: np.asarray(v) for k, v in out.items()}
-        for key, value in out.items():
-            if not (jnp.issubdtype(value.dtype, jnp.number) or value.dtype == np.bool_):
-                raise BatchError(
-                    f"{self.role} {name} returned {key!r} of dtype {value.dtype}, "
-                    "not numbers or bools: encode it as numbers (e.g. token ids)."
-                )
-        return out
+        return {k: np.asarray(v) for k, v in out.items()}
 
 
 @dataclasses.dataclass(frozen=True)
 class ReadCalls:
     """Call ``c`` → the batches of steps ``first + c*k`` to ``first + c*k + k - 1``
-    (stacked along a new leading axis if ``k > 1``), read in one call.
+    (stacked along a new leading axis if ``k > 1``).
 
     Attributes:
       rows: What to read.
@@ -190,49 +141,7 @@ class ReadCalls:
         start = self.first + int(call) * k
         if k == 1:
             return self.rows.read(start)
-        return self.rows.read_steps(range(start, start + k))
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadBlocks:
-    """Call ``c`` → block ``b = first_block + c``: the batches of steps
-    ``b * size`` to ``b * size + size - 1`` stacked ``[size, rows, ...]``, read
-    in one call. Steps before ``start`` are not read: their places hold a
-    copy of the first batch read (no step trains on them).
-
-    Attributes:
-      rows: What to read.
-      start: The first step wanted.
-      size: Steps per block.
-    """
-
-    rows: Rows
-    start: int
-    size: int
-
-    def __call__(self, call: int) -> dict[str, np.ndarray]:
-        first = (self.start // self.size + int(call)) * self.size
-        skip = max(self.start - first, 0)
-        got = self.rows.read_steps(range(first + skip, first + self.size))
-        if not skip:
-            return got
-        return {k: np.concatenate([v[:1].repeat(skip, 0), v]) for k, v in got.items()}
-
-
-def _checked_columns(columns: Mapping[str, Any], rows: int) -> dict | None:
-    """The columns as a batch, if each is a numeric array of ``rows`` rows
-    under a string key; ``None`` if not (for `stack_examples` to name the
-    example at fault)."""
-    out = {}
-    for name, value in columns.items():
-        if not isinstance(name, str) or not isinstance(value, np.ndarray):
-            return None
-        if not value.shape or value.shape[0] != rows:
-            return None
-        if not (jnp.issubdtype(value.dtype, jnp.number) or value.dtype == np.bool_):
-            return None
-        out[name] = value
-    return out
+        return stack_batches([self.rows.read(s) for s in range(start, start + k)])
 
 
 def stack_examples(
@@ -273,8 +182,7 @@ def _stacked(items: Sequence[Any]) -> dict[str, np.ndarray] | None:
         width = len(first)
         if not isinstance(first, dict) or any(len(e) != width for e in items):
             return None
-        # np.array stacks a list of small arrays 3-10x faster than np.stack
-        batch = {k: np.array([e[k] for e in items]) for k in first}
+        batch = {k: np.stack([e[k] for e in items]) for k in first}
     except (TypeError, ValueError, KeyError):
         return None
     for name, column in batch.items():
@@ -299,9 +207,8 @@ def _example(item: Any, index: int) -> dict[str, np.ndarray]:
     if not isinstance(item, Mapping):
         raise BatchError(
             f"Example {index} is a {type(item).__name__}, not a dict of arrays: "
-            "decode the records a batch at a time with GrainLoader(..., "
-            "decode=...) (e.g. a pztrain.data.RecordLayout), or map each record to "
-            "one, e.g. dataset.map(lambda r: {'x': ..., 'y': ...})."
+            "map each record to one, e.g. dataset.map(lambda r: {'x': ..., 'y': "
+            "...}) (records stored as bytes need decoding first)."
         )
     out = {}
     for name, value in item.items():

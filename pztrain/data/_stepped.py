@@ -83,23 +83,6 @@ class StepLoader(abc.ABC):
         spec = PartitionSpec(None, *self.sharding.spec)
         return NamedSharding(self.sharding.mesh, spec)
 
-    def fit_source(
-        self, start: int, steps_per_call: int, prefetch: int, sharding: Any
-    ) -> Any:
-        """How `pztrain.fit` reads this loader from step ``start``: a batch
-        source of its own (e.g. blocks of steps, `pztrain.data._blocks`), or
-        ``None`` (the default) for host batches from `iter_from_step`, one
-        call of the step each. ``sharding`` is the step's batch sharding
-        (``None`` without a mesh)."""
-        del start, steps_per_call, prefetch, sharding
-        return None
-
-    def data_order(self) -> str | None:
-        """The name of the order this loader shuffles its examples in, which a
-        checkpoint keeps and a resumed run checks; ``None`` (the default) when
-        there is nothing to check."""
-        return None
-
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self.epoch(0)
 
