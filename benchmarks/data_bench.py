@@ -1,31 +1,36 @@
-"""`fit` fed from disk through grain against `fit` on arrays already on the device.
+"""`fit` fed from disk through `GrainLoader` against `fit` on arrays already on the
+device.
 
 Run from the repository root::
 
-    python benchmarks/data_bench.py            # 5 interleaved rounds, ~5 minutes
-    python benchmarks/data_bench.py --quick    # 1 short round, 0 and 1 worker
+    python benchmarks/data_bench.py            # 3 interleaved rounds, ~8 minutes
+    python benchmarks/data_bench.py --quick    # 1 short round
 
-The data: ``--examples`` records in a ``.npy`` file on disk, memory-mapped
-(8×8 uint8 images and a label, 65 bytes each), read a batch at a time
-(`pztrain.data.BulkSource`). The pipeline does real work per example: it
-decodes the record (scaling to float32) and augments it with NumPy (a shift,
-a flip and noise drawn from a hash of grain's index, repeated ``rounds``
-times). ``rounds`` is calibrated at the start so that preparing one batch in
-this process (reading, grain's shuffle, decoding, augmenting, stacking) takes
-about as long as one train step.
+The data, as a user writes it: ``--examples`` examples (64 float32 features
+and an int32 label) saved twice, as an ArrayRecord file (one record per
+example, `pztrain.data.RecordLayout`, written ``group_size:1,uncompressed``;
+a second file with the writer's default compression) and as a Hugging Face
+dataset (``save_to_disk``, read back with ``load_from_disk`` and
+``with_format("numpy")``).
 
 The model is the step benchmark's W1: an MLP 64-256-256-10, batch 128, Adam,
 softmax cross-entropy. Every variant runs the same `pztrain.fit` (a log record
 every ``--log-every`` steps, no progress bar), ``--steps`` steps per trial:
 
-* ``device``: an `pztrain.ArrayLoader(on_device=True)` over the decoded arrays
-  (no per-step host work at all): the baseline;
-* ``grain, N workers``: a `pztrain.GrainLoader` over the pipeline with N grain
-  worker processes (0: the pipeline runs in `fit`'s prefetch thread).
+* ``device``: an `pztrain.ArrayLoader(on_device=True)` over the arrays (no
+  per-step host work at all): the baseline;
+* the fast path, with N grain workers (0: reading in `fit`'s prefetch
+  thread): ``GrainLoader(ArrayRecordDataSource(...), decode=layout)`` (a
+  batch of records read per call, decoded with one ``np.frombuffer``) and
+  ``GrainLoader(hf_dataset)`` (NumPy views of the memory-mapped columns);
+* the per-example path: ``grain.MapDataset.source(BulkSource(source))
+  .map(decode_one)`` (records read a batch at a time, decoded one by one in
+  Python), and the same on the source as it comes (grain then reads one
+  record per call).
 
 Speed is the steady state: steps between the first and the last log point over
 the time between them (each log point reads the step's metrics, so the time is
-taken once those steps have run). Worker start-up (spawning, imports) is
+taken once those steps have run). Start-up (worker processes, compiling) is
 reported apart: the time from the call to the first log point, over the
 baseline's. Trials are interleaved (baseline, variant, baseline, ...); a
 variant's ratio is its speed over the mean of the two baseline trials around
@@ -45,137 +50,86 @@ import tempfile
 import time
 from pathlib import Path
 
+import datasets
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from array_record.python.array_record_module import ArrayRecordWriter
 
 import pztrain
 
 BATCH = 128
 SIZES = (64, 256, 256, 10)
+FAST = ("ArrayRecord", "Hugging Face")  # the fast path's rows start so
 
 
 # ----------------------------------------------------------------------------
 # the data
 
 
-def write_records(path: str, n: int) -> None:
-    """``n`` records in a ``.npy`` file: an 8×8 uint8 image (a class pattern with
-    noise) and its label, 65 bytes each."""
+def arrays(n: int) -> dict[str, np.ndarray]:
+    """``n`` examples: 64 features around one of 10 class patterns, a label."""
     rng = np.random.default_rng(0)
-    patterns = rng.integers(0, 12, size=(10, 64), dtype=np.uint8)
-    labels = np.arange(n) % 10
-    images = patterns[labels] + rng.integers(0, 4, size=(n, 64), dtype=np.uint8)
-    np.save(path, np.concatenate([images, labels[:, None].astype(np.uint8)], axis=1))
+    patterns = rng.normal(size=(10, 64)).astype(np.float32)
+    y = (np.arange(n) % 10).astype(np.int32)
+    x = patterns[y] + rng.normal(0, 0.5, size=(n, 64)).astype(np.float32)
+    return {"x": x, "y": y}
 
 
-def records(path: str) -> np.ndarray:
-    """The records, memory-mapped: read from disk as they are indexed."""
-    return np.load(path, mmap_mode="r")
+def write_array_record(path: str, data: dict, options: str) -> None:
+    """One record per example, laid out by `pztrain.data.RecordLayout`."""
+    writer = ArrayRecordWriter(path, options)
+    for record in pztrain.data.RecordLayout.like(data).encode(data):
+        writer.write(record)
+    writer.close()
 
 
-def decode(record: np.ndarray) -> dict[str, np.ndarray]:
-    return {"x": record[:64].astype(np.float32) / 16.0, "y": np.int32(record[64])}
+def write_hugging_face(path: str, data: dict) -> None:
+    datasets.disable_progress_bars()
+    datasets.Dataset.from_dict(data).save_to_disk(path)
 
 
-NOISE = np.random.default_rng(1).normal(0, 0.05, size=(97, 8, 8)).astype(np.float32)
+class DecodeOne:
+    """One record to one example (the per-example path's ``.map``)."""
+
+    def __init__(self, layout: pztrain.data.RecordLayout):
+        self.dtype = layout.dtype
+
+    def __call__(self, record: bytes) -> dict[str, np.ndarray]:
+        row = np.frombuffer(record, self.dtype)[0]
+        return {"x": row["x"].astype(np.float32), "y": np.int32(row["y"])}
 
 
-class Augment:
-    """A shift, a flip and noise, ``rounds`` times, drawn from the index
-    grain passes (``map_with_index``: epoch ``e`` reads example ``i`` at index
-    ``e * n + i``, so each epoch draws anew)."""
+def loaders(files: dict[str, str], layout, workers: list[int]) -> dict:
+    """Every variant's loader, by name."""
 
-    def __init__(self, rounds: int):
-        self.rounds = rounds
+    def source(name: str):
+        return grain.sources.ArrayRecordDataSource([files[name]])
 
-    def __call__(self, index: int, example: dict) -> dict:
-        image = example["x"].reshape(8, 8)
-        for r in range(self.rounds):
-            h = (index * 2654435761 + r * 40503) % 2**32  # a hash of (index, round)
-            image = np.roll(image, h % 3 - 1, axis=1)
-            if h & 8:
-                image = image[:, ::-1]
-            image = np.clip(image + NOISE[h % 97], 0.0, 2.0)
-        return {"x": np.ascontiguousarray(image).reshape(64), "y": example["y"]}
-
-
-def pipeline(path: str, rounds: int) -> grain.MapDataset:
-    """Records read a batch at a time, decoded and augmented one by one."""
-    source = pztrain.data.BulkSource(records(path))
-    augment = Augment(rounds)
-    return grain.MapDataset.source(source).map(decode).map_with_index(augment)
-
-
-class Record:
-    """The records as examples ``{"record": <65 uint8>}``, read a batch at a
-    time (what `BatchAugment` decodes and augments once stacked)."""
-
-    def __init__(self, path: str):
-        self.path, self._rows = path, None
-
-    def rows(self) -> np.ndarray:
-        if self._rows is None:  # mapped once per process
-            self._rows = records(self.path)
-        return self._rows
-
-    def __getstate__(self) -> dict:
-        return {"path": self.path, "_rows": None}  # a worker maps the file anew
-
-    def __len__(self) -> int:
-        return len(self.rows())
-
-    def __getitem__(self, i: int) -> dict:
-        return {"record": np.asarray(self.rows()[int(i)])}
-
-    def __getitems__(self, keys: list[int]) -> list[dict]:
-        return [{"record": r} for r in np.asarray(self.rows()[keys])]
-
-
-class BatchAugment:
-    """`decode` and `Augment` on a whole batch at once (vectorised NumPy): the
-    same shift, flip and noise drawn from each row's index."""
-
-    def __init__(self, rounds: int):
-        self.rounds = rounds
-
-    def __call__(self, batch: dict, positions: np.ndarray) -> dict:
-        rows = batch["record"]
-        image = (rows[:, :64].astype(np.float32) / 16.0).reshape(-1, 8, 8)
-        index = positions.astype(np.uint64)
-        for r in range(self.rounds):
-            h = (index * np.uint64(2654435761) + np.uint64(r * 40503)) % 2**32
-            shift = (h % 3).astype(np.int64)[:, None, None] - 1
-            rolled = [np.roll(image, s, axis=2) for s in (-1, 1)]
-            image = np.where(
-                shift < 0, rolled[0], np.where(shift > 0, rolled[1], image)
-            )
-            flip = (h & 8).astype(bool)[:, None, None]
-            image = np.where(flip, image[:, :, ::-1], image)
-            image = np.clip(image + NOISE[(h % 97).astype(np.int64)], 0.0, 2.0)
-        return {"x": image.reshape(-1, 64), "y": rows[:, 64].astype(np.int32)}
-
-
-def batched_loader(path: str, rounds: int, workers: int = 0) -> pztrain.GrainLoader:
-    """The records read a batch at a time, decoded and augmented per batch."""
-    return pztrain.GrainLoader(
-        Record(path),  # a data source: read a batch at a time (BulkSource)
-        BATCH,
-        seed=1,
-        workers=workers,
-        batch_transform=BatchAugment(rounds),
+    hf = datasets.load_from_disk(files["hf"]).with_format("numpy")
+    per_example = grain.MapDataset.source(pztrain.data.BulkSource(source("ar")))
+    per_example = per_example.map(DecodeOne(layout))
+    out = {}
+    for w in workers:
+        out[f"ArrayRecord, decode=RecordLayout, {w} workers"] = pztrain.GrainLoader(
+            source("ar"), BATCH, seed=1, workers=w, decode=layout
+        )
+        out[f"Hugging Face, numpy format, {w} workers"] = pztrain.GrainLoader(
+            hf, BATCH, seed=1, workers=w
+        )
+        out[f"per-example .map(decode), {w} workers"] = pztrain.GrainLoader(
+            per_example, BATCH, seed=1, workers=w
+        )
+    out["ArrayRecord zstd (the writer's default), decode, 0 workers"] = (
+        pztrain.GrainLoader(source("zstd"), BATCH, seed=1, decode=layout)
     )
-
-
-def decoded(path: str) -> dict[str, np.ndarray]:
-    """Every record decoded (not augmented): the baseline's arrays."""
-    rows = np.asarray(records(path))
-    return {
-        "x": rows[:, :64].astype(np.float32) / 16.0,
-        "y": rows[:, 64].astype(np.int32),
-    }
+    as_is = grain.MapDataset.source(source("ar")).map(DecodeOne(layout))
+    out["per-example .map(decode), source as it comes, 0 workers"] = (
+        pztrain.GrainLoader(as_is, BATCH, seed=1)
+    )
+    return out
 
 
 # ----------------------------------------------------------------------------
@@ -277,27 +231,25 @@ def trial(loader, steps: int, log_every: int) -> dict[str, float]:
     }
 
 
-def batch_seconds(ds: grain.MapDataset | pztrain.GrainLoader) -> float:
-    """Seconds to prepare one batch in this process (median of 9 batches)."""
-    loader = (
-        ds
-        if isinstance(ds, pztrain.GrainLoader)
-        else pztrain.GrainLoader(ds, BATCH, seed=1)
-    )
-    times = []
-    for step in range(9):
-        t = time.perf_counter()
-        loader.batch_at(step)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def calibrate(make, step_seconds: float) -> tuple[int, float]:
-    """The augmentation rounds with which ``make(rounds)``'s batch takes about
-    ``step_seconds``, and the seconds of a batch without augmentation."""
-    base = batch_seconds(make(0))
-    per_round = max(batch_seconds(make(16)) - base, 1e-6) / 16
-    return max(1, round((step_seconds - base) / per_round)), base
+def batch_ms(loader: pztrain.GrainLoader, steps: int = 32) -> tuple[float, float]:
+    """Milliseconds per step to read ``steps`` steps' batches in this process,
+    the way `fit` reads them (one block; median of 5): wall time and the
+    process's CPU time (ArrayRecord's reader works in threads of its own; on a
+    loaded machine the CPU time is the steadier figure)."""
+    blocks = loader.fit_source(0, 1, 0, None)
+    walls, cpus = [], []
+    for b in range(6):
+        t, c = time.perf_counter(), time.process_time()
+        if blocks is None:  # read a step at a time
+            for s in range(b * steps, (b + 1) * steps):
+                loader.batch_at(s)
+        else:
+            next(blocks.stretch(b * steps, (b + 1) * steps))
+        walls.append((time.perf_counter() - t) / steps)
+        cpus.append((time.process_time() - c) / steps)
+    if blocks is not None:
+        blocks.close()
+    return statistics.median(walls[1:]) * 1e3, statistics.median(cpus[1:]) * 1e3
 
 
 def _load() -> float:
@@ -307,60 +259,48 @@ def _load() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 short round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--log-every", type=int, default=250)
     parser.add_argument("--examples", type=int, default=16384)
-    parser.add_argument("--workers", default="0,1,2", help="worker counts to run")
+    parser.add_argument("--workers", default="0,1", help="worker counts to run")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.log_every, args.workers = 1, 300, 100, "0,1"
-    worker_counts = [int(w) for w in args.workers.split(",")]
+        args.rounds, args.steps, args.log_every = 1, 500, 100
+    workers = [int(w) for w in args.workers.split(",")]
     load_start = _load()
     print(f"load average at the start: {load_start:.2f} (2 cores)", flush=True)
+    data = arrays(args.examples)
+    layout = pztrain.data.RecordLayout.like(data)
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "data.npy")
-        write_records(path, args.examples)
-        device = pztrain.ArrayLoader(decoded(path), BATCH, on_device=True)
+        files = {k: str(Path(tmp) / k) for k in ("ar", "zstd", "hf")}
+        write_array_record(files["ar"], data, "group_size:1,uncompressed")
+        write_array_record(files["zstd"], data, "group_size:1")
+        write_hugging_face(files["hf"], data)
+        device = pztrain.ArrayLoader(data, BATCH, on_device=True)
         warm = trial(device, max(args.steps // 2, 2 * args.log_every), args.log_every)
-        step_seconds = 1 / warm["steps_per_sec"]
-        rounds, base = calibrate(lambda r: pipeline(path, r), step_seconds)
-        ds = pipeline(path, rounds)
-        per_batch = batch_seconds(ds)
-        print(
-            f"one step: {step_seconds * 1e3:.2f} ms; one batch of the per-example "
-            f"pipeline in this process: {per_batch * 1e3:.2f} ms with {rounds} "
-            f"augmentation rounds ({base * 1e3:.2f} ms without)",
-            flush=True,
-        )
-        b_rounds, b_base = calibrate(lambda r: batched_loader(path, r), step_seconds)
-        print(
-            f"one batch of the batched pipeline (batch_transform) in this process: "
-            f"{batch_seconds(batched_loader(path, b_rounds)) * 1e3:.2f} ms with "
-            f"{b_rounds} augmentation rounds ({b_base * 1e3:.2f} ms without)",
-            flush=True,
-        )
-        loaders = {
-            f"grain, {w} workers": pztrain.GrainLoader(ds, BATCH, seed=1, workers=w)
-            for w in worker_counts
-        }
-        for w in worker_counts:
-            loaders[f"grain batched, {w} workers"] = batched_loader(path, b_rounds, w)
-        results = _interleaved(device, loaders, args)
+        variants = loaders(files, layout, workers)
+        print(f"one step: {1e3 / warm['steps_per_sec']:.2f} ms; reading, per step "
+              "in this process:", flush=True)  # fmt: skip
+        for name, loader in variants.items():
+            if " 0 workers" in name:
+                wall, cpu = batch_ms(loader)
+                print(f"  {name}: {wall:.3f} ms ({cpu:.3f} ms CPU)", flush=True)
+        results = _interleaved(device, variants, args)
     _report(results, load_start, _load(), args)
 
 
-def _interleaved(device, loaders: dict, args) -> dict[str, list]:
+def _interleaved(device, variants: dict, args) -> dict[str, list]:
     """Rounds of (baseline, variant, baseline, variant, ..., baseline)."""
-    results: dict[str, list] = {name: [] for name in ["device", *loaders]}
-    order = list(loaders)
+    results: dict[str, list] = {name: [] for name in ["device", *variants]}
+    order = list(variants)
     rng = random.Random(0)
     for r in range(args.rounds):
         rng.shuffle(order)
         before = trial(device, args.steps, args.log_every)
         results["device"].append(before)
         for name in order:
-            got = trial(loaders[name], args.steps, args.log_every)
+            got = trial(variants[name], args.steps, args.log_every)
             after = trial(device, args.steps, args.log_every)
             results["device"].append(after)
             mean = (before["steps_per_sec"] + after["steps_per_sec"]) / 2
@@ -378,8 +318,8 @@ def _report(results: dict, load_start: float, load_end: float, args) -> None:
     print()
     print(
         f"`fit` on W1 (MLP 64-256-256-10, batch {BATCH}), {args.steps} steps per "
-        f"trial, {args.rounds} rounds; load average {load_start:.2f} at the start, "
-        f"{load_end:.2f} at the end"
+        f"trial, {args.rounds} rounds, {args.examples} examples; load average "
+        f"{load_start:.2f} at the start, {load_end:.2f} at the end"
     )
     print()
     print(
@@ -390,16 +330,27 @@ def _report(results: dict, load_start: float, load_end: float, args) -> None:
     print("|---|---|---|---|---|")
     for name, trials in results.items():
         print(_row(name, trials))
-    best = max(
-        (statistics.median(t["ratio"] for t in v), k)
+    ratio = {
+        k: statistics.median(t["ratio"] for t in v)
         for k, v in results.items()
-        if k != "device" and not k.endswith(" 0 workers")
-    )
-    verdict = "met" if best[0] >= 0.9 else "**missed**"
+        if k != "device"
+    }
+    fast = {k: r for k, r in ratio.items() if k.startswith(FAST) and "zstd" not in k}
+    worst = min(fast, key=fast.get)
+    per = {
+        k: r
+        for k, r in ratio.items()
+        if k.startswith("per-example") and "as it" not in k
+    }
+    slow = min(per, key=per.get)
     print()
     print(
-        "target: with grain workers >= 0.90x the arrays on the device: "
-        f"{best[1]}: {best[0]:.2f}x, {verdict}"
+        f"target: the fast path >= 0.90x the arrays on the device: lowest "
+        f"{worst}: {fast[worst]:.2f}x, {'met' if fast[worst] >= 0.9 else '**missed**'}"
+    )
+    print(
+        f"wanted: the per-example path >= 0.50x: lowest {slow}: {per[slow]:.2f}x, "
+        f"{'met' if per[slow] >= 0.5 else '**missed**'}"
     )
 
 

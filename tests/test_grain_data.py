@@ -77,8 +77,8 @@ def test_global_batches_depend_only_on_step_seed_and_length():
     assert epochs[0] != epochs[1] != epochs[2]
 
 
-def test_epochs_are_graines_own_shuffle_seeded_per_epoch():
-    loader = GrainLoader(examples(), 8, seed=7)
+def test_order_grain_is_graines_own_shuffle_seeded_per_epoch():
+    loader = GrainLoader(examples(), 8, seed=7, order="grain")  # pztrain 0.2's
     order = grain.MapDataset.range(N).shuffle(seed=7)  # grain's, epoch e: seed + e
     for step in (0, 4, 5, 13):
         epoch, index = divmod(step, 5)
@@ -227,12 +227,12 @@ def test_a_hugging_face_dataset_reads_rows_in_one_call_per_batch(monkeypatch):
     hf = datasets.Dataset.from_dict(arrays()).with_format("numpy")
     loader = GrainLoader(hf, 8, seed=3)
     calls = []
-    read = BulkSource._getitems
+    read = BulkSource.read
     monkeypatch.setattr(
-        BulkSource, "_getitems", lambda self, idx: calls.append(idx) or read(self, idx)
+        BulkSource, "read", lambda self, idx: calls.append(idx) or read(self, idx)
     )
     batch = loader.batch_at(6)
-    assert len(calls) == 1 and len(calls[0]) == 8  # Arrow's bulk read
+    assert len(calls) == 1 and len(calls[0]) == 8  # one gather of the columns
     assert _ids(batch) == loader.example_ids(6)
     np.testing.assert_array_equal(batch["x"], arrays()["x"][loader.example_ids(6)])
     assert batch["x"].dtype == np.float32
@@ -368,7 +368,8 @@ def test_bad_items_that_are_not_dicts_of_arrays(tmp_path):
         tmp_path,
         lambda: GrainLoader(records, 8, shuffle=False),
         BatchError,
-        "Example 0 is a bytes, not a dict of arrays: map each record to one",
+        "Example 0 is a bytes, not a dict of arrays: decode the records a batch at "
+        "a time with GrainLoader(..., decode=...)",
     )
     texts = examples().map(lambda e: {**e, "text": "abc"})
     _refused(
@@ -523,17 +524,17 @@ def test_batches_go_onto_the_steps_sharding(monkeypatch):
     assert loader.batch_sharding(2).spec == jax.sharding.PartitionSpec(None, "data")
     step = pztrain.build_train_step(loss_fn, mesh=mesh, steps_per_call=2)
     placed = []
-    put = pztrain.loop._sources.put_batch
+    put = pztrain.data._blocks.put_batch
 
     def spy(batch, sharding):
         placed.append((sharding, batch["x"].shape))
         return put(batch, sharding)
 
-    monkeypatch.setattr(pztrain.loop._sources, "put_batch", spy)
+    monkeypatch.setattr(pztrain.data._blocks, "put_batch", spy)
     state, _ = pztrain.fit(
         pztrain.shard_state(_state(), mesh), step, loader, num_steps=8,
         log_every=4, progress=False, loggers=[],
     )  # fmt: skip
     assert int(state.step) == 8
     assert placed and all(s == step.batch_sharding for s, _ in placed)
-    assert all(shape == (2, 8, 4) for _, shape in placed)  # k steps stacked
+    assert all(shape == (32, 8, 4) for _, shape in placed)  # a block of 32 steps

@@ -27,6 +27,8 @@ class BatchError(ValueError):
     """A batch is not a dict of arrays with one shared leading axis.
 
     Example:
+      >>> from pztrain import BatchError
+      >>> from pztrain.data import check_batch
       >>> import numpy as np
       >>> try:
       ...     check_batch({"x": np.zeros((4, 2)), "y": np.zeros(3)})
@@ -62,7 +64,7 @@ def check_batch(
         examples (an empty batch is an error, not a step on nothing).
 
     Example:
-      >>> import numpy as np
+      >>> import numpy as np; from pztrain.data import check_batch
       >>> check_batch({"x": np.zeros((4, 2)), "y": np.zeros(4)})
       4
       >>> check_batch({"x": np.zeros((2, 4, 3))}, steps_per_call=2)
@@ -161,7 +163,7 @@ def stack_batches(batches: list[Mapping[str, Any]]) -> dict[str, Any]:
     """Stacks batches along a new leading axis (for ``steps_per_call > 1``).
 
     Example:
-      >>> import numpy as np
+      >>> import numpy as np; from pztrain.data import check_batch, stack_batches
       >>> batch = stack_batches([{"x": np.zeros((4, 2))}, {"x": np.ones((4, 2))}])
       >>> batch["x"].shape, check_batch(batch, steps_per_call=2)
       ((2, 4, 2), 4)

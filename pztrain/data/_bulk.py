@@ -1,13 +1,19 @@
-"""`BulkSource`: a data source that grain reads a batch of records from in one
-call, and the check of Hugging Face datasets.
+"""`BulkSource`: a data source read a batch of records per call, and the check
+of Hugging Face datasets.
 
 grain reads a ``MapDataset`` built on a data source one record at a time
-unless the source has a batched read (``_getitems``). Two common sources have
-one under another name: a Hugging Face ``datasets.Dataset`` (``dataset[indices]``,
-Arrow's bulk read: ~15× faster than a row at a time here),
-``grain.sources.ArrayRecordDataSource`` (``__getitems__``, parallel reads:
-~2–3× faster than one call per record here) and a NumPy array such as a
-memory-mapped ``.npy`` file (fancy indexing). `BulkSource` gives grain those.
+unless the source has a batched read (``_getitems``). `BulkSource` gives
+grain, and `pztrain.GrainLoader`, the fastest batched read each common source
+has:
+
+* a Hugging Face ``datasets.Dataset`` (numpy format): its numeric columns as
+  NumPy views of the memory-mapped Arrow data, one gather a batch
+  (`pztrain.data._arrow`); other columns through ``dataset[indices]``,
+  Arrow's bulk read (~15× faster than a row at a time here);
+* ``grain.sources.ArrayRecordDataSource``: one reader call per file and batch
+  (`pztrain.data._array_record`);
+* a NumPy array such as a memory-mapped ``.npy`` file: fancy indexing;
+* any other source: its ``__getitems__`` if it has one, else ``[i]`` per record.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from pztrain.data._array_record import ArrayRecordFiles
+from pztrain.data._arrow import ArrowColumns
 from pztrain.data._batch import BatchError
 from pztrain.data._extras import loaded
 
@@ -40,9 +48,10 @@ class BulkSource:
 
     Args:
       source: A Hugging Face ``datasets.Dataset`` with a NumPy format (rows
-        come out as dicts of NumPy values), a NumPy array (rows), or any data
-        source with ``len()`` and ``[i]`` (its ``__getitems__``, if it has
-        one, reads a batch).
+        come out as dicts of NumPy values), a ``grain.sources.ArrayRecordDataSource``
+        (``bytes`` records), a NumPy array (rows; e.g. a memory-mapped ``.npy``
+        file), or any data source with ``len()`` and ``[i]`` (its
+        ``__getitems__``, if it has one, reads a batch).
 
     Raises:
       BatchError: for a streaming ``datasets.IterableDataset`` (no random
@@ -50,17 +59,22 @@ class BulkSource:
         fix.
 
     Example:
-      >>> import grain
+      >>> import grain, numpy as np; from pztrain.data import BulkSource
       >>> ds = grain.MapDataset.source(BulkSource([b"a", b"b", b"c"]))
       >>> ds[4]  # grain reads index i as i mod len
       b'b'
+      >>> BulkSource(np.arange(10).reshape(5, 2)).read([4, 0, 6])  # one call
+      array([[8, 9],
+             [0, 1],
+             [2, 3]])
     """
 
     def __init__(self, source: Any):
-        if is_hf_dataset(source):
+        self._hf = is_hf_dataset(source)
+        if self._hf:
             _check_hf(source)
         self.source = source
-        self._hf = is_hf_dataset(source)
+        self._fast = _fast_reader(source)
 
     def __len__(self) -> int:
         return len(self.source)
@@ -68,17 +82,27 @@ class BulkSource:
     def __getitem__(self, index: int) -> Any:
         return self.source[int(index)]
 
-    def _getitems(self, indices: Sequence[int]) -> Sequence[Any]:
-        n = len(self.source)
-        keys = [int(i) % n for i in indices]  # index i as i mod len, as grain's
+    def read(self, indices: Sequence[int] | np.ndarray) -> Any:
+        """The records at ``indices`` (index ``i`` read as ``i mod len``), in
+        one call: a dict of columns for a Hugging Face dataset, an array of
+        rows for a NumPy array, else a list of records."""
+        keys = np.asarray(indices, np.int64) % len(self.source)
+        if self._fast is not None:
+            return self._fast.read(keys)
         if self._hf:
-            columns = self.source[keys]
-            return [{k: v[j] for k, v in columns.items()} for j in range(len(keys))]
-        if hasattr(self.source, "__getitems__"):
-            return self.source.__getitems__(keys)
+            return self.source[keys.tolist()]
         if isinstance(self.source, np.ndarray):  # e.g. a memory-mapped file
-            return list(np.asarray(self.source[keys]))  # plain rows, not memmaps
-        return [self.source[i] for i in keys]
+            return np.asarray(self.source[keys])  # plain rows, not a memmap
+        if hasattr(self.source, "__getitems__"):
+            return self.source.__getitems__(keys.tolist())
+        return [self.source[i] for i in keys.tolist()]
+
+    def _getitems(self, indices: Sequence[int]) -> Sequence[Any]:
+        """grain's batched read: the records at ``indices``, as a list."""
+        got = self.read(indices)
+        if isinstance(got, dict):  # columns: one dict per row
+            return [{k: v[j] for k, v in got.items()} for j in range(len(indices))]
+        return list(got)
 
     def __repr__(self) -> str:
         return f"BulkSource({self.source!r})"
@@ -99,6 +123,13 @@ class BulkSource:
         if isinstance(state["source"], _MappedFile):
             state["source"] = state["source"].open()
         self.__dict__.update(state)
+
+
+def _fast_reader(source: Any) -> ArrowColumns | ArrayRecordFiles | None:
+    """A faster batched read of ``source`` than its own, if there is one."""
+    if is_hf_dataset(source):
+        return ArrowColumns.of(source)
+    return ArrayRecordFiles.of(source)
 
 
 def _whole_memmap(x: Any) -> bool:

@@ -26,7 +26,9 @@ class IndexedBatches:
     mesh the arrays are sharded ``P(None, data)``: every device holds its rows
     of every batch, so the slice is local to each device and moves no data.
     `ArrayLoader` with ``on_device=True`` makes one per epoch, permuting its
-    device copy once.
+    device copy once; `pztrain.fit` reads a `GrainLoader` as one per block of
+    32 steps (``steps_per_epoch`` then the block's length: step ``s`` is row
+    ``s % 32`` of the block that holds it).
 
     A pytree: the arrays are its leaves, the two sizes are static.
 
@@ -40,6 +42,7 @@ class IndexedBatches:
     Example:
       An epoch on the device, for ``train_step(state, batches)``:
 
+      >>> import jax.numpy as jnp, numpy as np
       >>> from pztrain.data import ArrayLoader
       >>> loader = ArrayLoader({"x": np.arange(8)}, batch_size=4, shuffle=False,
       ...                      on_device=True)

@@ -4,7 +4,8 @@ step and on any number of processes.
 The batch of global step ``s`` is a pure function of ``s``, the seed and the
 dataset's length (`pztrain.data._reading`), so `pztrain.fit` starts it at any
 step with no iterator state, and a run resumed on another process count sees
-the same global batches: only the rows each process reads change.
+the same global batches: only the rows each process reads change. `fit`
+reads it a block of steps at a time (`pztrain.data._blocks`).
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from pztrain.data._batch import BatchError
+from pztrain.data._blocks import StepBlocks, block_steps
 from pztrain.data._bulk import BulkSource
 from pztrain.data._extras import import_extra, quiet_grain_flags, worker_init
+from pztrain.data._order import ORDERS
 from pztrain.data._placement import check_loader_sharding, host_rows
-from pztrain.data._reading import ReadCalls, Rows
+from pztrain.data._reading import ReadBlocks, ReadCalls, Rows
+from pztrain.data._records import RecordLayout
 from pztrain.data._stepped import StepLoader
 
 __all__ = ["GrainLoader"]
 
-_CHECKED = 16  # examples of the first batch checked when the loader is made
 # Arrays smaller than this go from grain's workers pickled, larger ones through
 # shared memory: measured here, a new shared-memory block costs 0.7 ms for 32 KiB
 # (0.3 ms pickled); the two break even near 256 KiB.
@@ -37,56 +40,75 @@ _MIN_SHM_BYTES = 2**18
 class GrainLoader(StepLoader):
     """Batches from a random-access dataset: any step, any process count.
 
-    Epoch ``e`` is grain's shuffle of the examples seeded from ``(seed, e)``
-    (``shuffle=True``) or their order, cut into global batches of
-    ``batch_size`` (a last partial batch is dropped). Each process reads only
-    its rows of every global batch (its block, in process order); reading and
-    the dataset's own transformations (``.map``, ``.random_map``) run in
-    ``workers`` grain worker processes, ahead of the step.
+    Epoch ``e`` is a permutation of the examples drawn from ``(seed, e)``
+    (``shuffle=True``; a Feistel network computed a batch at a time, see
+    ``order``) or their order, cut into global batches of ``batch_size`` (a
+    last partial batch is dropped; an evaluation reads it too, `rest`). Each
+    process reads only its rows of every global batch (its block, in process
+    order); reading, decoding and the
+    dataset's own transformations (``.map``, ``.random_map``) run in
+    ``workers`` grain worker processes, ahead of the step. `pztrain.fit`
+    reads small batches 32 steps at a time (one read, one transfer, one fused
+    call of the step); larger ones a step at a time.
 
     Args:
-      dataset: A ``grain.MapDataset`` of examples (flat dicts of arrays), or
-        one ending in ``.batch(batch_size)`` (read as its examples, so that
-        each process reads only its rows); a Hugging Face ``datasets.Dataset``
-        with a NumPy format (``dataset.with_format("numpy")``); or a grain
-        data source (``len`` and ``[i]``, e.g.
-        ``grain.sources.ArrayRecordDataSource``) whose records are examples.
-        Sources are read a batch at a time (`pztrain.data.BulkSource`; wrap
-        the source of a ``MapDataset`` pipeline in one for the same).
+      dataset: A data source (``len`` and ``[i]``, e.g.
+        ``grain.sources.ArrayRecordDataSource``), read a batch of records per
+        call (`pztrain.data.BulkSource`); a Hugging Face ``datasets.Dataset``
+        with a NumPy format (``dataset.with_format("numpy")``), read as NumPy
+        views of its memory-mapped columns; or a ``grain.MapDataset`` of
+        examples (flat dicts of arrays), or one ending in
+        ``.batch(batch_size)`` (read as its examples, so that each process
+        reads only its rows), its ``.map`` run per example.
       batch_size: The global batch (over all devices and processes); read
         from the dataset's ``.batch(...)`` if ``None``.
-      shuffle: Shuffle each epoch with grain's shuffle. Either way, the
-        dataset is read at index ``e * len + i`` in epoch ``e``, so grain's
-        own ``shuffle`` and ``random_map`` in the dataset draw anew each epoch.
+      shuffle: Shuffle each epoch. Either way, the dataset is read at index
+        ``e * len + i`` in epoch ``e``, so grain's own ``shuffle`` and
+        ``random_map`` in the dataset draw anew each epoch.
       seed: The shuffle's seed, in ``[0, 2**32)``.
       workers: grain worker processes reading ahead (``mp_prefetch``); 0
         reads in `pztrain.fit`'s prefetch thread. Workers start in a few
         seconds (each imports the program's modules).
-      worker_buffer: Batches each worker keeps ready.
+      worker_buffer: Reads each worker keeps ready.
       sharding: For a mesh: the `jax.sharding.NamedSharding` of one batch
         (as `pztrain.ArrayLoader`'s); each process then reads its rows.
       process_index: This process (default ``jax.process_index()`` with a
         ``sharding``, else 0).
       process_count: The processes sharing each batch (default
         ``jax.process_count()`` with a ``sharding``, else 1).
-      batch_transform: ``fn(batch, positions) -> batch``, run in the workers
-        on each batch of this process's rows once they are stacked: ``batch``
-        a dict of arrays with a leading example axis, ``positions`` the index
-        each row was read at (``e * len + i``, what grain's
-        ``map_with_index`` gets), so augmentation drawn from it is the same
-        on any process count. Vectorised NumPy here costs once per batch what
-        a per-example ``.map`` costs per example. With ``workers`` it is
+      decode: Turns a run of records, as the source returns them (a list of
+        ``bytes`` for ArrayRecord), into a dict of arrays with one row per
+        record: a `pztrain.data.RecordLayout` (one ``np.frombuffer`` for the
+        whole run), a NumPy structured dtype (its layout), or a function. It
+        gets the records of several steps at once. With ``workers`` it is
         pickled: a module-level function or object.
+      batch_transform: ``fn(batch, positions) -> batch``, run in the workers
+        on each batch of this process's rows once they are stacked (and
+        decoded): ``batch`` a dict of arrays with a leading example axis,
+        ``positions`` the index each row was read at (``e * len + i``, what
+        grain's ``map_with_index`` gets), so augmentation drawn from it is
+        the same on any process count. Vectorised NumPy here costs once per
+        batch what a per-example ``.map`` costs per example. With ``workers``
+        it is pickled: a module-level function or object.
+      order: The shuffle: ``"feistel"`` (the default, a Feistel permutation
+        computed a batch at a time) or ``"grain"`` (grain's ``index_shuffle``,
+        one Python call per example: the order of pztrain 0.2, to resume the
+        runs it checkpointed). `pztrain.fit` keeps the order's name with each
+        checkpoint and refuses to resume one saved with another order, or
+        before the name was kept, unless ``order`` is given explicitly.
 
     Raises:
       BatchError: naming the index, key or size at fault: examples that are
-        not flat dicts of numeric arrays or differ in shape (the first batch
-        is checked here, every batch when read), a dataset shorter than one
-        global batch or endless, one batched with another batch size, an
-        ``IterDataset``, a Hugging Face dataset without a NumPy format.
+        not flat dicts of numeric arrays or differ in shape (the whole first
+        batch is read and checked here, every batch when read), a dataset
+        shorter than one global batch or endless, one batched with another
+        batch size, an ``IterDataset``, a Hugging Face dataset without a NumPy
+        format, a ``decode`` whose output is not one row per record.
       ImportError: if grain is not installed (the ``data`` extra).
 
     Example:
+      >>> from pztrain import GrainLoader
+      >>> from pztrain.data import RecordLayout
       >>> import grain, numpy as np
       >>> ds = grain.MapDataset.range(10).map(lambda i: {"x": np.float32(i)})
       >>> loader = GrainLoader(ds, batch_size=4, shuffle=False)
@@ -96,9 +118,18 @@ class GrainLoader(StepLoader):
       [4.0, 5.0, 6.0, 7.0]
       >>> half = GrainLoader(ds, 4, process_index=1, process_count=2)  # shuffled
       >>> half.example_ids(0)  # global batch 0, whatever the process count
-      [0, 4, 6, 7]
+      [2, 3, 7, 0]
       >>> half.batch_at(0)["x"].tolist()  # process 1 of 2 reads its rows only
-      [6.0, 7.0]
+      [7.0, 0.0]
+
+      Records of fixed-shape arrays, decoded a batch at a time:
+
+      >>> layout = RecordLayout({"x": ("float32", (2,)), "y": ("int32", ())})
+      >>> records = layout.encode({"x": np.ones((8, 2)), "y": np.arange(8)})
+      >>> loader = GrainLoader(records, 4, decode=layout)  # a list is a source
+      >>> batch = loader.batch_at(0)
+      >>> batch["x"].shape, batch["y"].dtype
+      ((4, 2), dtype('int32'))
     """
 
     def __init__(
@@ -113,7 +144,9 @@ class GrainLoader(StepLoader):
         sharding: NamedSharding | None = None,
         process_index: int | None = None,
         process_count: int | None = None,
+        decode: Any = None,
         batch_transform: Any = None,
+        order: str | None = None,
     ):
         grain = import_extra("grain")
         examples, batched = _examples(grain, dataset)
@@ -129,16 +162,22 @@ class GrainLoader(StepLoader):
         self.workers = workers
         self.worker_buffer = worker_buffer
         self.sharding = sharding
-        rows = host_rows(batch_size, sharding, process_index, process_count)
-        if batch_transform is not None and not callable(batch_transform):
-            raise BatchError(
-                "batch_transform must be a function (batch, positions) -> batch; "
-                f"got {type(batch_transform).__name__}."
-            )
-        self.batch_transform = batch_transform
-        seed_or_none = seed if shuffle else None
-        self._rows = Rows(examples, n, batch_size, rows, seed_or_none, batch_transform)
-        self._rows.read_at(self._rows.positions(0, (0, min(batch_size, _CHECKED))))
+        self.order = _order(order)  # None: the default, checked on resume
+        self.decode = _decoder(decode)
+        self.batch_transform = _function("batch_transform", batch_transform)
+        self._rows = Rows(
+            examples,
+            n,
+            batch_size,
+            host_rows(batch_size, sharding, process_index, process_count),
+            seed if shuffle else None,
+            self.batch_transform,
+            self.decode,
+            self.data_order(),
+        )
+        first = self._rows.read(0)  # the whole first batch, checked
+        self._rows = self._rows.bounded(first)  # reads of READ_BYTES at most
+        self._batch_bytes = sum(v.nbytes for v in first.values())
 
     @property
     def steps_per_epoch(self) -> int:
@@ -151,8 +190,8 @@ class GrainLoader(StepLoader):
         A function of ``step``, the seed and the dataset's length only: the
         same whatever the process count.
         """
-        positions = self._rows.positions(step, (0, self.batch_size))
-        return [p % self.num_examples for p in positions]
+        positions = self._rows.positions([step], (0, self.batch_size))[0]
+        return (positions % self.num_examples).tolist()
 
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
         """The batch that global step ``step`` trains on (this process's rows),
@@ -164,33 +203,66 @@ class GrainLoader(StepLoader):
         first = epoch * self.steps_per_epoch
         return self._stream(ReadCalls(self._rows, first), self.steps_per_epoch)
 
+    def rest(self, epoch: int = 0) -> dict[str, np.ndarray] | None:
+        """The examples of ``epoch`` that no full batch holds (every process
+        reads all of them), for an evaluation to count; ``None`` if none."""
+        return self._rows.read_rest(epoch)
+
     def iter_from_step(
         self, step: int, steps_per_call: int = 1
     ) -> Iterator[dict[str, np.ndarray]]:
         """Batches from global step ``step`` on, endlessly (this process's rows).
 
         With ``steps_per_call=k`` each item stacks the batches of ``k``
-        consecutive steps along a new leading axis.
+        consecutive steps along a new leading axis (read in one call).
         """
         return self._stream(ReadCalls(self._rows, step, steps_per_call), sys.maxsize)
 
-    def _stream(self, read: ReadCalls, calls: int) -> Iterator[dict[str, np.ndarray]]:
-        """``read(0), read(1), ...`` for ``calls`` calls, read by grain (in its
-        worker processes if ``workers``); its workers stop when this ends."""
+    def fit_source(
+        self, start: int, steps_per_call: int, prefetch: int, sharding: Any
+    ) -> Any:
+        """Blocks of 32 steps from step ``start`` (read ahead, each a few
+        batches in one piece), or ``None`` (a step at a time) when the
+        blocks in flight would hold more than ``BLOCK_BYTES`` together."""
+        in_flight = prefetch + 2 + self.workers * self.worker_buffer
+        size = block_steps(self._batch_bytes, steps_per_call, in_flight)
+        if not size:
+            return None
+        if sharding is None:
+            sharding = self.batch_sharding(steps_per_call)
+        return StepBlocks(
+            self._stream(ReadBlocks(self._rows, start, size), sys.maxsize),
+            start=start,
+            size=size,
+            batch_size=self.batch_size,
+            steps_per_call=steps_per_call,
+            prefetch=prefetch,
+            sharding=sharding,
+        )
+
+    def data_order(self) -> str:
+        """The shuffle's name (``order``, else ``"feistel"``), kept with each
+        checkpoint."""
+        return self.order or ORDERS[0]
+
+    def _stream(self, read: Any, calls: int) -> Iterator[dict[str, np.ndarray]]:
+        """``read(0), read(1), ...`` for ``calls`` calls: here, or by grain in
+        its worker processes if ``workers`` (they stop when this ends)."""
+        if not self.workers:
+            yield from map(read, range(calls))
+            return
         grain = import_extra("grain")
         ds = grain.MapDataset.range(calls).map(read)
         ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0))
-        if self.workers:
-            quiet_grain_flags()
-            ds = ds.mp_prefetch(
-                grain.MultiprocessingOptions(
-                    num_workers=self.workers, per_worker_buffer_size=self.worker_buffer
-                ),
-                worker_init_fn=functools.partial(worker_init, os.getpid()),
-            )
-            options = grain.experimental.DatasetOptions(min_shm_size=_MIN_SHM_BYTES)
-            ds = grain.experimental.WithOptionsIterDataset(ds, options)
-        iterator = iter(ds)
+        quiet_grain_flags()
+        ds = ds.mp_prefetch(
+            grain.MultiprocessingOptions(
+                num_workers=self.workers, per_worker_buffer_size=self.worker_buffer
+            ),
+            worker_init_fn=functools.partial(worker_init, os.getpid()),
+        )
+        options = grain.experimental.DatasetOptions(min_shm_size=_MIN_SHM_BYTES)
+        iterator = iter(grain.experimental.WithOptionsIterDataset(ds, options))
         try:
             yield from iterator
         finally:
@@ -201,6 +273,28 @@ class GrainLoader(StepLoader):
             f"GrainLoader({self.num_examples} examples, batch_size={self.batch_size}, "
             f"shuffle={self.shuffle}, seed={self.seed}, workers={self.workers})"
         )
+
+
+def _order(order: Any) -> str | None:
+    if order is not None and order not in ORDERS:
+        raise BatchError(
+            f'order must be one of {list(ORDERS)}; got {order!r} ("grain" resumes '
+            "runs checkpointed by pztrain 0.2 in their own order)."
+        )
+    return order
+
+
+def _decoder(decode: Any) -> Any:
+    """``decode`` as a function of a run of records (a dtype as its layout)."""
+    if isinstance(decode, np.dtype):
+        return RecordLayout(decode)
+    return _function("decode", decode, "records -> batch")
+
+
+def _function(name: str, fn: Any, form: str = "(batch, positions) -> batch") -> Any:
+    if fn is not None and not callable(fn):
+        raise BatchError(f"{name} must be a function {form}; got {type(fn).__name__}.")
+    return fn
 
 
 def _examples(grain: Any, dataset: Any) -> tuple[Any, Any]:
@@ -216,6 +310,8 @@ def _examples(grain: Any, dataset: Any) -> tuple[Any, Any]:
             "train_data: its iterator state is saved with each checkpoint and "
             "resumes exactly, on the same number of processes only."
         )
+    if isinstance(dataset, BulkSource):
+        return dataset, None
     if not isinstance(dataset, grain.MapDataset):
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise BatchError(

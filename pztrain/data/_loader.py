@@ -36,7 +36,8 @@ class ArrayLoader(StepLoader):
       shuffle: Shuffle each epoch with ``np.random.default_rng([seed, epoch])``.
       seed: The shuffling seed.
       drop_remainder: Drop the last partial batch of each epoch (the default:
-        every batch then has one shape and the step compiles once).
+        every batch then has one shape and the step compiles once). An
+        evaluation reads it all the same (`rest`, `pztrain.data.eval_batches`).
       on_device: Keep the arrays on the device and give `pztrain.fit` one
         `IndexedBatches` per epoch (the device copy is permuted once per
         epoch), so that the step slices its own batch: no per-step host work.
@@ -65,7 +66,7 @@ class ArrayLoader(StepLoader):
         shards or processes.
 
     Example:
-      >>> import numpy as np
+      >>> import numpy as np; from pztrain import ArrayLoader
       >>> loader = ArrayLoader({"x": np.arange(10)}, batch_size=4, shuffle=False)
       >>> loader.steps_per_epoch
       2
@@ -167,8 +168,8 @@ class ArrayLoader(StepLoader):
         return self._batch(self.order(epoch), index)
 
     def device_epoch(self, epoch: int) -> IndexedBatches:
-        """The batches of ``epoch``, as `IndexedBatches` on the device (see
-        `pztrain.data._device.DeviceCopy`: one copy of the data stays there)."""
+        """The batches of ``epoch``, as `IndexedBatches` on the device (one
+        copy of the data stays there, for every epoch)."""
         if self._device is None:
             self._device = DeviceCopy(
                 self.arrays, self.batch_size, self._epoch_sharding()
@@ -181,6 +182,16 @@ class ArrayLoader(StepLoader):
         order = self.order(epoch)
         for i in range(self.steps_per_epoch):
             yield self._batch(order, i)
+
+    def rest(self, epoch: int = 0) -> dict[str, np.ndarray] | None:
+        """The examples of ``epoch`` that no batch holds (its last partial
+        batch, with ``drop_remainder=True``), all of them on every process,
+        for an evaluation to count; ``None`` if there are none."""
+        first = self.steps_per_epoch * self.batch_size
+        if first >= self.num_examples:
+            return None
+        idx = self.order(epoch)[first:]
+        return {k: v[idx] for k, v in self.arrays.items()}
 
     def iter_from_step(
         self, step: int, steps_per_call: int = 1

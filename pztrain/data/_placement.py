@@ -38,7 +38,7 @@ def put_batch(batch: Any, sharding: Any = None) -> Any:
 
     Args:
       batch: A pytree of host arrays. When ``sharding`` spans several processes,
-        each process passes only its rows (`process_rows`); the global batch
+        each process passes only its rows; the global batch
         axis is the processes' rows in process order.
       sharding: ``None`` (the default device), one `jax.sharding.Sharding` for
         every leaf, or a pytree of them matching the batch. With one
@@ -50,7 +50,7 @@ def put_batch(batch: Any, sharding: Any = None) -> Any:
       processes).
 
     Example:
-      >>> import numpy as np
+      >>> import numpy as np, jax; from pztrain import put_batch
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
       >>> mesh = jax.make_mesh((1,), ("data",))
       >>> batch = put_batch(
@@ -218,7 +218,7 @@ def prefetch_to_device(
       The batches, as device arrays.
 
     Example:
-      >>> import numpy as np
+      >>> import numpy as np; from pztrain.data import prefetch_to_device
       >>> [b["x"].sum().item() for b in prefetch_to_device([{"x": np.ones(3)}] * 2)]
       [3.0, 3.0]
     """

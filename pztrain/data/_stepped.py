@@ -33,7 +33,7 @@ class StepLoader(abc.ABC):
     Example:
       A loader of synthetic batches, each made from its step's number:
 
-      >>> import numpy as np
+      >>> import numpy as np; from pztrain.data import StepLoader
       >>> class Counting(StepLoader):
       ...     steps_per_epoch = 3  # a class attribute stands for the property
       ...     def batch_at(self, step):
@@ -82,6 +82,31 @@ class StepLoader(abc.ABC):
             return self.sharding
         spec = PartitionSpec(None, *self.sharding.spec)
         return NamedSharding(self.sharding.mesh, spec)
+
+    def rest(self, epoch: int = 0) -> dict[str, Any] | None:
+        """The examples of ``epoch`` that none of its batches holds (the last
+        partial batch a loader drops), all of them on every process, for an
+        evaluation to count (`pztrain.data.eval_batches`); ``None`` (the
+        default) when the batches hold them all."""
+        del epoch
+        return None
+
+    def fit_source(
+        self, start: int, steps_per_call: int, prefetch: int, sharding: Any
+    ) -> Any:
+        """How `pztrain.fit` reads this loader from step ``start``: a batch
+        source of its own (e.g. blocks of steps), or
+        ``None`` (the default) for host batches from `iter_from_step`, one
+        call of the step each. ``sharding`` is the step's batch sharding
+        (``None`` without a mesh)."""
+        del start, steps_per_call, prefetch, sharding
+        return None
+
+    def data_order(self) -> str | None:
+        """The name of the order this loader shuffles its examples in, which a
+        checkpoint keeps and a resumed run checks; ``None`` (the default) when
+        there is nothing to check."""
+        return None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self.epoch(0)

@@ -25,6 +25,7 @@ from pztrain.callbacks import Callback
 from pztrain.data import ArrayLoader, StepLoader, prefetch_to_device, put_batch
 from pztrain.data._batch import BatchError, check_batch, stack_batches
 from pztrain.data._sequential import SequentialData
+from pztrain.loop._data_order import DataOrder
 
 __all__ = [
     "BatchSource",
@@ -79,6 +80,9 @@ def batch_source(
             )
         return DeviceEpochs(data, start, steps_per_call)
     if isinstance(data, StepLoader):
+        own = data.fit_source(start, steps_per_call, prefetch, sharding)
+        if own is not None:  # e.g. a GrainLoader's blocks of steps
+            return own
         if sharding is None:
             sharding = data.batch_sharding(steps_per_call)
         items = ((b, False) for b in data.iter_from_step(start, steps_per_call))
@@ -260,4 +264,6 @@ def data_callbacks(train_data: Any) -> list[Callback]:
     data, none for the others."""
     if isinstance(train_data, SequentialData):
         return [IteratorState(train_data)]
+    if isinstance(train_data, StepLoader) and train_data.data_order() is not None:
+        return [DataOrder(train_data)]  # its shuffle, kept and checked on resume
     return []

@@ -48,6 +48,7 @@ class OnMesh:
         self._fn, self._layout, self._options = fn, layout, options
         self._names, self._keep = names, keep
         self._jitted: Any = None
+        self._others: dict[Any, Any] = {}  # programs for other layouts
 
     def __call__(self, *args: Any) -> Any:
         jitted = self._jitted
@@ -57,7 +58,21 @@ class OnMesh:
             return jitted(*args)
         except ValueError as err:  # JAX's, for a state moved since the first call?
             self._refuse_misplaced(args, err)
-            raise
+            if self._keep:  # a train step: its layouts stay those of its first call
+                raise
+            return self._own_layout(args)(*args)  # e.g. an evaluation's last rows
+
+    def _own_layout(self, args: tuple[Any, ...]) -> Any:
+        """A program for these arguments' own layouts, when the first call's
+        do not fit them (an eval step given an evaluation's few last rows
+        replicated, `pztrain.data.eval_batches`: no data split divides them);
+        one per layout."""
+        leaves, tree = jax.tree.flatten(tuple(map(_specs, args)))
+        key = (tuple(leaves), tree)
+        found = self._others.get(key)
+        if found is None:
+            found = self._others[key] = self._compile(args)
+        return found
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         if self._jitted is None:
