@@ -21,6 +21,7 @@ from penzai.models import simple_mlp
 from sklearn.datasets import load_digits
 
 import pztrain
+from pztrain.metric_states import Confusion
 
 
 def logits_of(model, images):
@@ -38,10 +39,14 @@ def loss_fn(*, model, state, rng, images, labels):
 
 
 def eval_fn(*, model, state, rng, images, labels):
+    """Means over the examples, and a confusion matrix merged over the batches:
+    its macro precision, recall and F1 are logged as ``classes/f1`` etc."""
     del state, rng
     logits = logits_of(model, images)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-    return {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == labels)}
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+    classes = Confusion.of(labels, logits, num_classes=10)
+    return {"loss": loss, "accuracy": accuracy, "classes": classes}
 
 
 def load(seed: int = 0):
@@ -93,6 +98,7 @@ def main(
         pztrain.ArrayLoader(test, 256, shuffle=False, drop_remainder=False),
     )
     print(f"test accuracy {result['accuracy']:.4f}  test loss {result['loss']:.4f}")
+    print(f"test macro F1 {result['classes/f1']:.4f}")
     print(f"the run's log: {Path(run_dir) / 'metrics.jsonl'}")
     return result["accuracy"]
 

@@ -42,7 +42,7 @@ def build_train_step(
       state_shardings: A `TrainState` of shardings for the step's in and outs.
       batch_shardings: Shardings for the batch dict.
       mesh: A device mesh (Auto, Explicit or mixed axes): batches split along
-        ``data_axis``, shardings kept (layouts inside: `pztrain.step._mesh`).
+        ``data_axis``, shardings kept.
       data_axis: The mesh axis (or axes) the examples of a batch are split over.
       microbatches: Micro-batches per step (accumulated grads: see `TrainStep`).
       explicit_loss: On a mesh, run ``loss_fn`` with Explicit axes (it sees the
@@ -60,6 +60,7 @@ def build_train_step(
         or ``grad_norms``.
 
     Example:
+      >>> from pztrain import build_train_step, TrainState
       >>> import jax, jax.numpy as jnp, optax
       >>> def loss_fn(*, model, state, rng, x, y):
       ...     return jnp.mean((x * model["w"] - y) ** 2), state, {}

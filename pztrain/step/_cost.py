@@ -22,6 +22,7 @@ class StepMemory(NamedTuple):
     Example:
       What ``train_step.memory(state, **batch)`` returns (here made by hand):
 
+      >>> from pztrain.step import StepMemory
       >>> memory = StepMemory(arguments=2048, outputs=2048, temporaries=512,
       ...                     aliased=2048)
       >>> memory.total

@@ -25,6 +25,8 @@ class EvalFunction(Protocol):
     """The eval-function contract: like `LossFunction`, returning metrics only.
 
     Example:
+      >>> import jax
+      >>> from pztrain import build_eval_step, TrainState
       >>> import jax.numpy as jnp, optax
       >>> def eval_fn(*, model, state, rng, x, y):  # an EvalFunction
       ...     err = x * model["w"] - y
@@ -58,6 +60,8 @@ class EvalStep:
     Example:
       The same key for the same state, and the state left as it was:
 
+      >>> import jax
+      >>> from pztrain import build_eval_step, TrainState
       >>> import jax.numpy as jnp, optax
       >>> def eval_fn(*, model, state, rng, x):
       ...     return {"mean": jnp.mean(x * model["w"]), "draw": jax.random.uniform(rng)}
@@ -145,6 +149,7 @@ def build_eval_step(
       An `EvalStep`.
 
     Example:
+      >>> from pztrain import build_eval_step, TrainState
       >>> import jax, jax.numpy as jnp, optax
       >>> def eval_fn(*, model, state, rng, x):
       ...     return {"mean": jnp.mean(x * model["w"])}

@@ -21,6 +21,7 @@ import numpy as np
 from pztrain._optax import optimizer_update
 from pztrain._tree import describe, path_repr
 from pztrain.data._batch import check_batch
+from pztrain.metrics import check_metric_leaves
 from pztrain.partition import RestSpec
 from pztrain.step._mesh import NO_MESH, Layout
 from pztrain.step._microbatches import accumulate, check_microbatches, first_microbatch
@@ -75,16 +76,32 @@ def train_fn(
         root_rng = static.root_rng(inputs.root_rng)
         if steps_per_call == 1:
             return one(carry, root_rng, inputs.rest, batch)
-
-        def body(pair, batch_slice):
-            carry, rest = pair
-            carry, new_rest, aux = one(carry, root_rng, rest, batch_slice)
-            return (carry, rest if new_rest is None else new_rest), aux
-
-        (carry, rest), aux = jax.lax.scan(body, (carry, inputs.rest), batch)
-        return carry, rest if static.rest.stateful else None, aux
+        return _scan(one, carry, root_rng, inputs.rest, batch, static.rest.stateful)
 
     return run
+
+
+def _scan(one, carry: Carry, root_rng, rest, batch, stateful: bool):
+    """``(carry, new_rest, aux)`` of steps ``one`` in a ``lax.scan`` over the
+    batch's leading axis, aux stacked. The rest's arrays are carried from step
+    to step only when the steps update them (state variables); otherwise they
+    are read, as the one step reads them, and ``new_rest`` is ``None``."""
+    if not stateful:
+
+        def body(carry, batch_slice):
+            carry, _, aux = one(carry, root_rng, rest, batch_slice)
+            return carry, aux
+
+        carry, aux = jax.lax.scan(body, carry, batch)
+        return carry, None, aux
+
+    def carried(pair, batch_slice):
+        carry, rest = pair
+        carry, new_rest, aux = one(carry, root_rng, rest, batch_slice)
+        return (carry, rest if new_rest is None else new_rest), aux
+
+    (carry, rest), aux = jax.lax.scan(carried, (carry, rest), batch)
+    return carry, rest, aux
 
 
 def flat(run: StepFn) -> Callable[..., tuple[Any, ...]]:
@@ -151,7 +168,9 @@ def eval_fn(
 
         def metrics(params, rest, lfs, rng, batch):
             model, _ = static.rest.bind(params, rest, rng, mode)
-            return fn(model=model, state=lfs, rng=rng, **batch)
+            out = fn(model=model, state=lfs, rng=rng, **batch)
+            check_metric_leaves(out, "the eval step's metrics")
+            return out
 
         params = layout.compute(carry.params)
         return layout.user(metrics)(
@@ -269,6 +288,7 @@ def _check_loss_output(out: Any, loss_fn_state: Any) -> tuple[Any, Any, Any]:
             f"The loss must be a floating-point scalar; got {jnp.result_type(loss)}."
         )
     _check_new_state(loss_fn_state, new_state)
+    check_metric_leaves(aux, "aux")
     return loss, new_state, aux
 
 

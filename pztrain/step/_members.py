@@ -89,7 +89,8 @@ def placed_as_members(sums: MetricSums, root_rng: Any) -> MetricSums:
     if not isinstance(sharding, NamedSharding) or not sharding.spec:
         return sums
     rows = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0]))
-    return MetricSums(sums.names, jax.device_put(sums.packed, rows))
+    states = jax.device_put(sums.states, rows)  # metric states: a row per member
+    return MetricSums(sums.names, jax.device_put(sums.packed, rows), states)
 
 
 def one_member(shapes: Any, members: int | None) -> Any:

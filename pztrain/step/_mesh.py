@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from pztrain.metric_states import is_metric_state, merge_stacked
 from pztrain.sharding import ShardingError
 
 __all__ = ["NO_MESH", "Layout", "MeshLayout", "compute_spec", "mesh_of"]
@@ -229,12 +230,15 @@ def _across_devices(out: tuple[Any, ...], axes: tuple[str, ...]) -> tuple[Any, .
     largest (integers, such as counters every device advanced alike)."""
     loss, lfs, aux, new_rest, grads = out
     loss, grads = jax.lax.pmean((loss, grads), axes)
-    aux = jax.tree.map(lambda x: _combine_aux_leaf(x, axes), aux)
+    combine = functools.partial(_combine_aux_leaf, axes=axes)
+    aux = jax.tree.map(combine, aux, is_leaf=is_metric_state)
     lfs, new_rest = jax.tree.map(lambda x: _combine_state(x, axes), (lfs, new_rest))
     return loss, lfs, aux, new_rest, grads
 
 
-def _combine_aux_leaf(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+def _combine_aux_leaf(x: Any, axes: tuple[str, ...]) -> Any:
+    if is_metric_state(x):  # every device's state, merged
+        return merge_stacked(jax.tree.map(lambda a: _stacked(a, axes), x))
     if x.ndim:
         return jax.lax.all_gather(x, axes, axis=0, tiled=True)
     if jnp.issubdtype(x.dtype, jnp.inexact):
@@ -242,6 +246,13 @@ def _combine_aux_leaf(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     if x.dtype == jnp.bool_:
         return jax.lax.pmax(x, axes)
     return jax.lax.psum(x, axes)
+
+
+def _stacked(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Every device's ``x`` stacked on a new leading axis, the same on every
+    device (a sum of one-hot rows: exact, and typed as replicated)."""
+    rows = jnp.zeros((jax.lax.axis_size(axes), *x.shape), x.dtype)
+    return jax.lax.psum(rows.at[jax.lax.axis_index(axes)].set(x), axes)
 
 
 def _combine_state(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:

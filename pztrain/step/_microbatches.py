@@ -19,6 +19,7 @@ import numpy as np
 
 from pztrain._tree import named_leaves
 from pztrain.data._batch import BatchError
+from pztrain.metric_states import is_metric_state, merge_stacked
 
 __all__ = [
     "accumulate",
@@ -145,10 +146,12 @@ def combine_aux(stacked: Any) -> Any:
     any-ed. Array leaves: concatenated back along the example axis in the
     batch's order (a per-example output comes back as on the whole batch).
     """
-    return jax.tree.map(_combine_leaf, stacked)
+    return jax.tree.map(_combine_leaf, stacked, is_leaf=is_metric_state)
 
 
-def _combine_leaf(x: jax.Array) -> jax.Array:
+def _combine_leaf(x: Any) -> Any:
+    if is_metric_state(x):  # the micro-batches' states merged, in order
+        return merge_stacked(x)
     if x.ndim > 1:  # [m, n // m, …] -> [n, …], undoing the strided split
         return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
     if jnp.issubdtype(x.dtype, jnp.inexact):

@@ -45,6 +45,8 @@ class NonFinite:
       params: The names of the params not finite after the update.
 
     Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from pztrain.step import find_nonfinite
       >>> import optax, pztrain
       >>> def loss_fn(*, model, state, rng):  # finite at 0, its gradient is not
       ...     return jnp.sum(jnp.sqrt(model["w"])), state, {}
@@ -123,6 +125,7 @@ def find_nonfinite(
       A `NonFinite`; ``.line()`` says it in one line.
 
     Example:
+      >>> from pztrain.step import find_nonfinite
       >>> import jax, jax.numpy as jnp, optax, pztrain
       >>> def loss_fn(*, model, state, rng, x):
       ...     loss = jnp.sum(jnp.exp(x * model["scale"])) + jnp.sum(model["w"] ** 2)
@@ -271,6 +274,8 @@ def explain_in_run(info: Any, state: Any, first: int) -> str:
     Example:
       What `pztrain.NanPolicy` says when step 2's batch overflows ``exp``:
 
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from pztrain.step import explain_in_run
       >>> import optax, pztrain
       >>> def loss_fn(*, model, state, rng, x):
       ...     return jnp.mean(jnp.exp(x * model["w"])), state, {}
@@ -347,6 +352,8 @@ def replay_to_first(train_step: Any, state: Any, data: Any, last: int) -> tuple:
       not finite, or ``last``, and the state just before it.
 
     Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from pztrain.step import replay_to_first
       >>> import optax, pztrain
       >>> def loss_fn(*, model, state, rng, x):
       ...     return jnp.mean(jnp.exp(x * model["w"])), state, {}

@@ -101,7 +101,7 @@ class TrainPrograms:
         self._make_grads = grads
         self._grads = None
         self.aux = aux  # forward-only aux, for metric names
-        self.metric_names: dict[Any, tuple[str, ...]] = {}
+        self.metric_names: dict[Any, tuple[tuple[str, ...], dict]] = {}
         self.costs: dict[Any, Any] = {}  # StepCost by batch shapes
 
     @property

@@ -20,7 +20,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh
 
 from pztrain._members import member_count
-from pztrain.metrics import MetricSums, metric_names
+from pztrain.metrics import MetricSums, metric_names, metric_state_shapes
 from pztrain.sharding import data_sharding
 from pztrain.sharding._rules import mesh_axes
 from pztrain.state import TrainState
@@ -181,8 +181,6 @@ class TrainStep:
           ``(new_state, aux)``; with ``steps_per_call=k`` the aux leaves are
           stacked along a leading axis ``k``.
         """
-        if not isinstance(state, TrainState):
-            check_state(state, "train_step(state, ...)", "optax.adam(1e-3)")
         if batch is None:
             batch = arrays
         elif arrays:
@@ -214,9 +212,8 @@ class TrainStep:
           batch: A batch dict or `OnDeviceBatches`, or keyword ``arrays``.
           calls: Calls in a row (0: none); the arrays pass from one to the next
             and the state is built once. Each call takes its own step's batch
-            from `OnDeviceBatches` (and runs fused with others, up to
-            `pztrain.step._fusion.FUSED_STEPS` steps per call); a dict batch
-            is trained on ``calls`` times.
+            from `OnDeviceBatches` (and runs fused with others, up to 32 steps
+            per call); a dict batch is trained on ``calls`` times.
           stop_flag: An object whose ``requested`` attribute is read once
             before each call after the first (each fused call): once true, the
             remaining calls are skipped (the new state's ``step`` says how many
@@ -258,35 +255,36 @@ class TrainStep:
         costs about as much as several in a micro-benchmark (the device's
         threads share the cores): the fields are read from the state's
         ``__dict__``, the program takes and returns flat positional tuples
-        (`pztrain.step._fns.flat`), and the new state is filled directly.
+        (`pztrain.step._fns.flat`), the new state is filled directly, and the
+        state is checked only when the lookup misses (a new rest, optimizer or key).
         """
-        fields = state.__dict__
-        rest = fields["model_without_params"]
+        try:
+            fields = state.__dict__
+            rest = fields["model_without_params"]
+        except (AttributeError, KeyError):  # not a TrainState
+            check_state(state, "train_step(state, ...)", "optax.adam(1e-3)")
+            raise
         optimizer_def, root_rng = fields["optimizer_def"], fields["root_rng"]
         last = self._programs.last  # the lookup, inline: the common case
         if last[0] is rest and last[1] is optimizer_def and last[2] is root_rng:
             found = last[3]
         else:
+            check_state(state, "train_step(state, ...)", "optax.adam(1e-3)")
             if last[1] is not optimizer_def:  # a new optimizer: is this its state?
-                check_opt_state(
-                    optimizer_def,
-                    fields["opt_state"],
-                    fields["params"],
-                    member_count(root_rng),
-                )
+                opt_state, params = fields["opt_state"], fields["params"]
+                members = member_count(root_rng)
+                check_opt_state(optimizer_def, opt_state, params, members)
             found = self._programs.lookup(rest, optimizer_def, root_rng)
             check_counter(found.static.members, fields["step"])
         if self.batch_sharding is not None and isinstance(batch, Mapping):
             batch = on_mesh(batch, self.batch_sharding)
         step, _, rest_arrays, key_data, _ = found
-        counter = fields["step"]
-        if isinstance(counter, Tracer):
-            pass  # under the user's jit, scan or vmap: nothing is donated
-        elif getattr(counter, "is_deleted", _alive)():  # before XLA logs its error
-            state.check_not_donated("train_step(state, ...)")
+        counter = fields["step"]  # a tracer (the user's jit, scan, vmap): no donation
+        if not isinstance(counter, Tracer) and getattr(counter, "is_deleted", _alive)():
+            state.check_not_donated("train_step(state, ...)")  # before XLA logs it
         try:
             out = step(
-                fields["step"],
+                counter,
                 fields["params"],
                 fields["opt_state"],
                 fields["loss_fn_state"],
@@ -353,8 +351,10 @@ class TrainStep:
         members = found.static.members
         if key not in names:
             aux = found.program.aux_shape(carry, inputs)
-            names[key] = tuple(metric_names(one_member(aux, members)))
-        sums = MetricSums.zeros(names[key], members=members)
+            scalars = tuple(metric_names(one_member(aux, members)))
+            names[key] = (scalars, metric_state_shapes(aux))
+        scalars, states = names[key]
+        sums = MetricSums.zeros(scalars, members, states)
         return sums if members is None else placed_as_members(sums, state.root_rng)
 
     def compute_grads(self, state: TrainState, **batch: Any) -> StepOutputs:

@@ -28,6 +28,7 @@ class LossFunction(Protocol):
     """The loss-function contract, penzai's unchanged.
 
     Example:
+      >>> import jax, jax.numpy as jnp
       >>> def loss_fn(*, model, state, rng, x):  # state: a count of calls
       ...     return jnp.mean((x - model["w"]) ** 2), state + 1, {"w": model["w"]}
       >>> loss_fn(model={"w": 1.0}, state=0, rng=jax.random.key(0), x=jnp.ones(3))
@@ -59,6 +60,8 @@ class OnDeviceBatches(Protocol):
     of keyword arrays: ``train_step(state, batches)``.
 
     Example:
+      >>> from typing import NamedTuple
+      >>> import jax, jax.numpy as jnp
       >>> class Cycle(NamedTuple):  # a pytree: step s takes row s % 3 of xs
       ...     xs: jax.Array
       ...     def take(self, step, count=1): return {"x": self.xs[step % 3]}
@@ -153,7 +156,7 @@ class StepOutputs(NamedTuple):
       grads: Gradients of the loss with respect to ``state.params``.
 
     Example:
-      >>> import optax, pztrain
+      >>> import optax, pztrain, jax, jax.numpy as jnp
       >>> def loss_fn(*, model, state, rng):
       ...     return jnp.sum(model["w"] ** 2), state, {}
       >>> st = pztrain.TrainState.initial_state(
