@@ -14,6 +14,12 @@ rate schedule stretched to the new total), then loads
 the trained params into a freshly built model with `pztrain.load_params` and
 greedily samples ~100 characters from a prompt.
 
+While it trains, an evaluation in Python (`pztrain.Evaluation` with a function
+of the state) samples 100 characters at each evaluation (``--sample-every N``:
+every N steps; 0: never): the run's loggers record them as text, in
+``RUN_DIR/media.jsonl`` (`pztrain.loggers.read_media` reads it back) and in
+TensorBoard's Text tab with a `pztrain.TensorBoardLogger`.
+
 With ``--data-dir DIR`` (needs ``pip install "pztrain[data]"``) the training
 text is read from disk instead of memory: the first run writes its paragraphs
 once to ``DIR/train.array_record`` (one record each, UTF-8), and training reads
@@ -27,6 +33,7 @@ with each checkpoint, so a resumed run goes on with the very next batch.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from pathlib import Path
 
@@ -120,29 +127,64 @@ TRAIN_STEP = pztrain.build_train_step(loss_fn)
 EVAL_STEP = pztrain.build_eval_step(eval_fn)
 
 
-def greedy_sample(model, vocab: Vocab, prompt: str, length: int, seq: int) -> str:
-    """``length`` characters after ``prompt``, each the most likely next one.
+@functools.partial(jax.jit, static_argnames=("known", "length", "seq"))
+def sample_ids(model, buffer, key, temperature, *, known, length, seq):
+    """``buffer[known : known + length]`` filled, one character at a time.
 
-    One jitted loop: the model sees the last ``seq`` characters (the context it
-    was trained on); causal attention makes the padding after them harmless.
+    One jitted loop (compiled once per prompt length, ``length`` and ``seq``):
+    the model sees the last ``seq`` characters (the context it was trained
+    on; causal attention makes the padding after them harmless). A
+    ``temperature`` of 0 takes the most likely character, else one drawn from
+    the softmax of the logits divided by it (a traced value: no recompile).
     """
+
+    def body(t, buffer):
+        n = known + t  # characters known so far
+        lo = jnp.maximum(n - seq, 0)
+        window = jax.lax.dynamic_slice(buffer, (lo,), (seq,))
+        logits = logits_of(model, window[None])[0, n - lo - 1]
+        scaled = logits / jnp.maximum(temperature, 1e-6)
+        drawn = jax.random.categorical(jax.random.fold_in(key, t), scaled)
+        next_id = jnp.where(temperature > 0, drawn, jnp.argmax(logits))
+        return buffer.at[n].set(next_id.astype(jnp.int32))
+
+    return jax.lax.fori_loop(0, length, body, buffer)
+
+
+def sample(
+    model, vocab: Vocab, prompt: str, length: int, seq: int, temperature=0.0, key=None
+) -> str:
+    """``length`` characters after ``prompt``: the most likely ones
+    (``temperature=0``) or drawn at ``temperature`` with ``key``."""
     start = vocab.encode(prompt)
-    buffer = jnp.zeros(max(len(start) + length, seq), jnp.int32)
-    buffer = buffer.at[: len(start)].set(start)
-
-    @jax.jit
-    def run(model, buffer):
-        def body(t, buffer):
-            n = len(start) + t  # characters known so far
-            lo = jnp.maximum(n - seq, 0)
-            window = jax.lax.dynamic_slice(buffer, (lo,), (seq,))
-            logits = logits_of(model, window[None])[0, n - lo - 1]
-            return buffer.at[n].set(jnp.argmax(logits).astype(jnp.int32))
-
-        return jax.lax.fori_loop(0, length, body, buffer)
-
-    out = run(pz.freeze_params(model), buffer)  # values, not mutable Parameters
+    buffer = np.zeros(max(len(start) + length, seq), np.int32)
+    buffer[: len(start)] = start
+    key = jax.random.key(0) if key is None else key
+    frozen = pz.freeze_params(model)  # values, not mutable Parameters
+    out = sample_ids(
+        frozen, buffer, key, temperature, known=len(start), length=length, seq=seq
+    )
     return vocab.decode(np.asarray(out[len(start) : len(start) + length]))
+
+
+def greedy_sample(model, vocab: Vocab, prompt: str, length: int, seq: int) -> str:
+    """``length`` characters after ``prompt``, each the most likely next one."""
+    return sample(model, vocab, prompt, length, seq)
+
+
+def sample_evaluation(vocab: Vocab, seq: int, every: int, temperature: float = 0.8):
+    """An evaluation in Python: every ``every`` steps, 100 characters sampled
+    after `PROMPT` from the model being trained, logged as text (``fit``'s
+    loggers record it: ``media.jsonl`` in the run directory, TensorBoard's
+    Text tab …) under ``eval/samples/text``. The key is a function of the
+    step, so a resumed run samples what the uninterrupted one did."""
+
+    def samples(state: pztrain.TrainState) -> dict[str, str]:
+        key = jax.random.fold_in(jax.random.key(1), state.step)
+        text = sample(state.model, vocab, PROMPT, 100, seq, temperature, key)
+        return {"text": PROMPT + text}
+
+    return pztrain.Evaluation("samples", samples, every=every)
 
 
 def prepare(seq: int):
@@ -201,9 +243,19 @@ def eval_loader(eval_data):
     return pztrain.ArrayLoader(eval_data, size, shuffle=False)
 
 
-def train(steps, seq, run_dir, batch_size=16, progress=True, seed=0, data_dir=None):
+def train(
+    steps,
+    seq,
+    run_dir,
+    batch_size=16,
+    progress=True,
+    seed=0,
+    data_dir=None,
+    sample_every=None,
+):
     """Trains (or resumes) the run in ``run_dir``, from memory or from the
-    paragraphs in ``data_dir``; returns (state, history)."""
+    paragraphs in ``data_dir``, sampling text every ``sample_every`` steps
+    (default: at each evaluation; 0: never); returns (state, history)."""
     vocab, train_data, eval_data = prepare(seq)
     if data_dir is None:
         train_batches = pztrain.ArrayLoader(train_data, batch_size, seed=seed)
@@ -219,6 +271,8 @@ def train(steps, seq, run_dir, batch_size=16, progress=True, seed=0, data_dir=No
     )
     state = pztrain.TrainState.initial_state(model, optimizer, jax.random.key(seed))
     eval_every = max(steps // 4, 1)
+    sample_every = eval_every if sample_every is None else sample_every
+    samples = [sample_evaluation(vocab, seq, sample_every)] if sample_every else []
     state, history = pztrain.fit(
         state,
         TRAIN_STEP,
@@ -227,6 +281,7 @@ def train(steps, seq, run_dir, batch_size=16, progress=True, seed=0, data_dir=No
         eval_step=EVAL_STEP,
         eval_data=eval_loader(eval_data),
         eval_every=eval_every,
+        evaluations=samples,  # text sampled on the host, logged as text
         log_every=min(50, eval_every),
         checkpoints=pztrain.Checkpoints(
             Path(run_dir) / "ckpt", every_steps=eval_every, keep_last=2
@@ -238,6 +293,7 @@ def train(steps, seq, run_dir, batch_size=16, progress=True, seed=0, data_dir=No
             "seq": seq,
             "batch_size": batch_size,
             "from_disk": data_dir is not None,
+            "sample_every": sample_every,
         },
         progress=progress,
     )
@@ -252,9 +308,12 @@ def main(
     progress: bool = True,
     seed: int = 0,
     data_dir: str | None = None,
+    sample_every: int | None = None,
 ) -> tuple[float, str]:
     """Trains, evaluates, reloads and samples; returns (eval bits/char, sample)."""
-    state, _ = train(steps, seq, run_dir, batch_size, progress, seed, data_dir)
+    state, _ = train(
+        steps, seq, run_dir, batch_size, progress, seed, data_dir, sample_every
+    )
     vocab, _, eval_data = prepare(seq)
     result = pztrain.evaluate(state, EVAL_STEP, eval_loader(eval_data))
     bits = result["bits_per_char"]
@@ -280,6 +339,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--data-dir", help="train from the text's paragraphs on disk (written once)"
     )
+    parser.add_argument(
+        "--sample-every",
+        type=int,
+        help="steps between text samples (default: at each evaluation; 0: none)",
+    )
     args = parser.parse_args()
     main(
         args.steps,
@@ -288,4 +352,5 @@ if __name__ == "__main__":
         args.batch_size,
         not args.no_progress,
         data_dir=args.data_dir,
+        sample_every=args.sample_every,
     )

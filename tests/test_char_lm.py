@@ -13,6 +13,7 @@ import pytest
 from penzai import pz
 
 import pztrain
+from pztrain.loggers import read_media
 from pztrain.records import History
 
 pytestmark = pytest.mark.slow  # subprocesses, notebooks, examples
@@ -57,6 +58,30 @@ def test_char_lm_trains_resumes_reloads_and_samples(tmp_path):
     assert bits < math.log2(len(vocab)) - 1.5  # uniform guessing: log2(vocab)
     assert isinstance(sample, str) and len(sample) == 100
     assert set(sample) <= set(vocab.chars)
+
+    # Text sampled at each evaluation, through the loggers: 7, 14, 21, 28 and
+    # the end (30) by the first run, 45 and 60 by the resumed one.
+    media = read_media(run_dir)
+    eval_steps, _ = History.from_jsonl(run_dir).series("bits_per_char", "eval")
+    assert [m["step"] for m in media] == eval_steps == [7, 14, 21, 28, 30, 45, 60]
+    assert {m["key"] for m in media} == {"eval/samples/text"}
+    for m in media:
+        assert m["text"].startswith(lm.PROMPT) and len(m["text"]) == 104
+        assert set(m["text"]) <= set(vocab.chars)
+
+
+def test_char_lm_sampler_compiles_once_and_draws_from_its_key():
+    lm = _load()
+    vocab, _, _ = lm.prepare(32)
+    models = [lm.build_model(len(vocab), seed) for seed in (0, 1)]
+    key = jax.random.key(3)
+    drawn = [lm.sample(m, vocab, "The ", 40, 32, 0.8, key) for m in models]
+    assert drawn[0] == lm.sample(models[0], vocab, "The ", 40, 32, 0.8, key)
+    assert drawn[0] != lm.sample(models[0], vocab, "The ", 40, 32, 0.8, key=None)
+    greedy = lm.greedy_sample(models[0], vocab, "The ", 40, 32)
+    assert greedy == lm.sample(models[0], vocab, "The ", 40, 32, 0.0, key)
+    assert len(set(drawn[0])) > len(set(greedy))  # drawn: more varied
+    assert lm.sample_ids._cache_size() == 1  # two models, two temperatures
 
 
 def test_char_lm_from_disk_packs_resumes_at_the_next_batch(tmp_path):

@@ -1,5 +1,7 @@
-"""Loggers that write files: `JsonlLogger` and `CSVLogger`, and the rules of
-their paths (`log_file`, `log_directory`).
+"""`JsonlLogger` (records, and text and images: `read_media` reads those
+back), and the rules of the file loggers' paths (`log_file`, `log_directory`)
+and of their resume (`kept_entries`, `replace_atomically`); `CSVLogger` is in
+`pztrain.loggers._csv`.
 
 A file logger takes a directory (its file gets the default name there:
 ``metrics.jsonl``, ``metrics.csv``) or a file name with its suffix; its
@@ -13,17 +15,25 @@ over the old one.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from pztrain.loggers._protocol import flat_hparams
-from pztrain.records import THROUGHPUT_KEYS, jsonable
+from pztrain.loggers._media import Image, Text, file_stem, not_media
+from pztrain.records import jsonable
 
-__all__ = ["CSVLogger", "JsonlLogger", "log_directory", "log_file"]
+__all__ = [
+    "JsonlLogger",
+    "beside_log",
+    "kept_entries",
+    "log_directory",
+    "log_file",
+    "not_a_log",
+    "read_media",
+    "read_records",
+    "replace_atomically",
+]
 
 _LOG_SUFFIXES = (".csv", ".jsonl", ".json")  # never made into directories
 
@@ -81,13 +91,13 @@ def log_directory(path: str | os.PathLike, who: str, name: str | None = None) ->
     return path
 
 
-def _beside(file: Path, default: str, name: str) -> Path:
+def beside_log(file: Path, default: str, name: str) -> Path:
     """Where a log's hyperparameters go: ``name`` beside the log if it has the
     ``default`` name, else ``<log's stem>.<name>``."""
     return file.with_name(name if file.name == default else f"{file.stem}.{name}")
 
 
-def _kept(path: Path, entries: list[dict], step: int, resumed: bool, kind: str):
+def kept_entries(path: Path, entries: list[dict], step: int, resumed: bool, kind: str):
     """The entries of a log up to ``step``; later ones only if ``resumed``.
 
     Raises:
@@ -104,7 +114,7 @@ def _kept(path: Path, entries: list[dict], step: int, resumed: bool, kind: str):
     return [e for e in entries if e["step"] <= step]
 
 
-def _not_a_log(path: Path, who: str, why: str) -> ValueError:
+def not_a_log(path: Path, who: str, why: str) -> ValueError:
     return ValueError(
         f"{path} is not a log that {who} writes ({why}). Pass another path, or "
         "move the file away."
@@ -112,7 +122,8 @@ def _not_a_log(path: Path, who: str, why: str) -> ValueError:
 
 
 class JsonlLogger:
-    """Writes ``metrics.jsonl`` (one JSON object per record) and ``hparams.json``.
+    """Writes ``metrics.jsonl`` (one JSON object per record) and ``hparams.json``;
+    text and images (`log_media`) go to ``media.jsonl`` and ``images/``.
 
     Continues a resumed run's log: `pztrain.fit` calls `start_run` with the step it
     starts from, and the records after it are dropped from the file when the
@@ -138,13 +149,17 @@ class JsonlLogger:
       path: The log file.
       run_dir: Its directory.
       hparams_path: Where the hyperparameters go.
+      media_path: Where text and images are listed (``media.jsonl`` beside the
+        log, or ``<name>.media.jsonl``; `read_media` reads it).
+      images_dir: Where images go as PNG files (``images``, or
+        ``<name>.images``), named ``<key>-<step>.png``.
 
     Raises:
       ValueError: if ``run_dir`` is a file of another kind (named), or the log
         holds records after ``resume_step`` that may not be dropped.
 
     Example:
-      >>> import tempfile
+      >>> import tempfile; from pztrain import JsonlLogger
       >>> from pztrain.loggers import read_jsonl
       >>> d = tempfile.mkdtemp()
       >>> log = JsonlLogger(d)
@@ -168,9 +183,13 @@ class JsonlLogger:
     ):
         self.path = log_file(run_dir, "metrics.jsonl", "JsonlLogger")
         self.run_dir = self.path.parent
-        self.hparams_path = _beside(self.path, "metrics.jsonl", "hparams.json")
+        self.hparams_path = beside_log(self.path, "metrics.jsonl", "hparams.json")
+        self.media_path = beside_log(self.path, "metrics.jsonl", "media.jsonl")
+        self.images_dir = beside_log(self.path, "metrics.jsonl", "images")
         self._file: Any = None  # opened at the first record
-        self._started, self._kept = False, None
+        self._media: Any = None  # opened at the first text or image
+        self._started, self._kept, self._media_kept = False, None, None
+        self._media_dropped: list[str] = []
         if resume_step is not None:
             self.start_run(resume_step, resumed=drop_later)
             self._open()
@@ -180,9 +199,10 @@ class JsonlLogger:
         it before the first record; without it, the first record starts a
         fresh log, and a record after `close` goes on with the same one).
 
-        The file is checked here and cut back at the first record or
+        The files are checked here and cut back at the first record or
         hyperparameters, so that when a logger of the run refuses its log,
-        every file is left as it was.
+        every file is left as it was. The media log is cut back with the
+        records: its entries after ``step`` dropped, and their PNG files.
 
         Args:
           step: The step the run starts from. Records up to it are kept.
@@ -196,9 +216,18 @@ class JsonlLogger:
             false, or the file is not such a log (nothing is written then).
         """
         self.close()
-        self._file, self._kept = None, None
+        self._file = self._media = self._kept = self._media_kept = None
         if self.path.exists():
-            self._kept = _kept(self.path, self._read(), step, resumed, "records")
+            records = read_records(self.path)
+            self._kept = kept_entries(self.path, records, step, resumed, "records")
+        if self.media_path.exists():
+            media = read_records(self.media_path)
+            self._media_kept = kept_entries(
+                self.media_path, media, step, resumed, "media entries"
+            )
+            self._media_dropped = [
+                m["image"] for m in media if m["step"] > step and "image" in m
+            ]
         self._started = True
 
     def log_hparams(self, hparams: dict[str, Any]) -> None:
@@ -212,9 +241,38 @@ class JsonlLogger:
         self._file.write(json.dumps(jsonable(record)) + "\n")
         self._file.flush()
 
+    def log_media(self, step: int, media: dict[str, Text | Image]) -> None:
+        """Appends text and images to ``media.jsonl`` (see `read_media`): a
+        text inline, an image as a PNG file in ``images/`` (its path, relative
+        to the log's directory, in the entry).
+
+        Raises:
+          TypeError: naming the key, for a value that is not `Text` or `Image`
+            (`pztrain.loggers.split_media` makes them).
+        """
+        for key, value in media.items():
+            if not isinstance(value, Text | Image):
+                raise not_media("JsonlLogger", key, value)
+        self._open()
+        entries = [self._media_entry(step, k, v) for k, v in media.items()]
+        if self._media is None or self._media.closed:
+            self._media = self.media_path.open("a")
+        self._media.write("".join(json.dumps(e) + "\n" for e in entries))
+        self._media.flush()
+
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        for file in (self._file, self._media):
+            if file is not None:
+                file.close()
+
+    def _media_entry(self, step: int, key: str, value: Text | Image) -> dict:
+        if isinstance(value, Text):
+            return {"step": step, "key": key, "text": value.text}
+        file = self.images_dir / f"{file_stem(key)}-{step}.png"
+        self.images_dir.mkdir(parents=True, exist_ok=True)
+        replace_atomically(file, value.png())
+        image = file.relative_to(self.run_dir).as_posix()
+        return {"step": step, "key": key, "image": image}
 
     def _open(self) -> None:
         """The file, ready to append to: a fresh log if `start_run` was not
@@ -225,180 +283,90 @@ class JsonlLogger:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self._kept is not None:
                 text = "".join(json.dumps(r) + "\n" for r in self._kept)
-                _replace_atomically(self.path, text)
+                replace_atomically(self.path, text)
                 self._kept = None
+            if self._media_kept is not None:
+                text = "".join(json.dumps(r) + "\n" for r in self._media_kept)
+                replace_atomically(self.media_path, text)
+                for image in self._media_dropped:
+                    (self.run_dir / image).unlink(missing_ok=True)
+                self._media_kept, self._media_dropped = None, []
             self._file = self.path.open("a")
         elif self._file.closed:
             self._file = self.path.open("a")
 
-    def _read(self) -> list[dict[str, Any]]:
-        """The records of the file (a last line cut short by a kill is none)."""
-        *complete, last = self.path.read_text().split("\n")
-        records = []
-        for i, line in enumerate([*complete, last]):
-            try:
-                record = json.loads(line) if line else None
-            except ValueError as e:
-                if i == len(complete):  # the last line, cut short: not a record
-                    break
-                raise _not_a_log(
-                    self.path, "JsonlLogger", f"line {i + 1}: {e}"
-                ) from None
-            if record is None:
-                continue
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                why = f"line {i + 1} is no record with an integer 'step'"
-                raise _not_a_log(self.path, "JsonlLogger", why)
-            records.append(record)
-        return records
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a `JsonlLogger` 's file, each a dict with an integer
+    ``"step"`` (a last line cut short by a kill is none).
+
+    Raises:
+      ValueError: naming the file and the line, if it is not such a log.
+    """
+    *complete, last = path.read_text().split("\n")
+    records = []
+    for i, line in enumerate([*complete, last]):
+        try:
+            record = json.loads(line) if line else None
+        except ValueError as e:
+            if i == len(complete):  # the last line, cut short: not a record
+                break
+            raise not_a_log(path, "JsonlLogger", f"line {i + 1}: {e}") from None
+        if record is None:
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            why = f"line {i + 1} is no record with an integer 'step'"
+            raise not_a_log(path, "JsonlLogger", why)
+        records.append(record)
+    return records
 
 
-def _replace_atomically(path: Path, text: str) -> None:
+def read_media(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The text and images a `JsonlLogger` wrote (its ``media.jsonl``).
+
+    Args:
+      run_dir: What the logger was given: its directory, or its ``.jsonl`` file.
+
+    Returns:
+      One dict per value, in the order logged: ``{"step", "key", "text"}`` for
+      a text, ``{"step", "key", "image"}`` for an image (``image``: the PNG
+      file's `pathlib.Path`). Empty if the run logged none.
+
+    Raises:
+      FileNotFoundError: if there is no log there at all (naming the path).
+
+    Example:
+      >>> import tempfile, numpy as np
+      >>> from pztrain.loggers import Image, JsonlLogger, Text, read_media
+      >>> d = tempfile.mkdtemp()
+      >>> log = JsonlLogger(d)
+      >>> log.log_media(5, {"sample": Text("The cat"), "grey": Image(np.eye(2))})
+      >>> log.close()
+      >>> [(m["step"], m["key"]) for m in read_media(d)]
+      [(5, 'sample'), (5, 'grey')]
+      >>> read_media(d)[0]["text"], read_media(d)[1]["image"].name
+      ('The cat', 'grey-5.png')
+    """
+    path = log_file(run_dir, "metrics.jsonl", "read_media")
+    media_path = beside_log(path, "metrics.jsonl", "media.jsonl")
+    if not media_path.exists():
+        if not path.exists():
+            raise FileNotFoundError(
+                f"read_media({str(run_dir)!r}): no log there ({path} is missing)."
+            )
+        return []
+    entries = read_records(media_path)
+    for entry in entries:
+        if "image" in entry:
+            entry["image"] = path.parent / entry["image"]
+    return entries
+
+
+def replace_atomically(path: Path, text: str | bytes) -> None:
     """Writes ``text`` to a new file, flushes it to disk, renames it to ``path``."""
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
+    with tmp.open("wb" if isinstance(text, bytes) else "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-_CSV_FIRST = ("step", "epoch", "split", "time", *THROUGHPUT_KEYS)
-
-
-class CSVLogger:
-    """Writes ``metrics.csv`` (one row per record) and ``hparams.csv``.
-
-    Wide format, as spreadsheets and pandas expect: the columns are ``step``,
-    ``epoch``, ``split``, ``time``, the throughput
-    (`pztrain.records.THROUGHPUT_KEYS`), then each metric in the order it first
-    appeared; a train and an eval metric of one name share a column (``split`` tells
-    the rows apart), and a cell a record has no value for is empty. When a record
-    brings a new metric, the whole file is rewritten atomically with the wider
-    header (a new file, flushed, renamed over the old one); otherwise a row is
-    appended. A resumed run's log goes on as `JsonlLogger` 's does: the rows
-    after the step it resumes from are dropped, another run's rows refused.
-
-    Args:
-      run_dir: A directory (created if missing; ``metrics.csv`` is written in
-        it) or a file name ending in ``.csv``. The hyperparameters go beside
-        it: ``hparams.csv``, or ``<name>.hparams.csv`` for a file named
-        otherwise than ``metrics.csv``.
-      resume_step: If given, the log is opened at once, keeping only the rows
-        with ``step <= resume_step`` (a run resumed from that step); otherwise
-        at `start_run` (`pztrain.fit` calls it) or at the first record.
-
-    Attributes:
-      path: The log file.
-      run_dir: Its directory.
-      hparams_path: Where the hyperparameters go.
-
-    Raises:
-      ValueError: if ``run_dir`` is a file of another kind (named), or the log
-        holds rows after ``resume_step``.
-
-    Example:
-      >>> import tempfile, pathlib
-      >>> d = tempfile.mkdtemp()
-      >>> log = CSVLogger(d)
-      >>> log.log_record({"step": 1, "split": "train", "metrics": {"loss": 0.5}})
-      >>> log.log_record({"step": 1, "split": "eval", "metrics": {"acc": 0.9}})
-      >>> log.close()
-      >>> lines = pathlib.Path(d, "metrics.csv").read_text().splitlines()
-      >>> lines[0].split(",")[:5], lines[0].split(",")[-2:]
-      (['step', 'epoch', 'split', 'time', 'steps_per_sec'], ['loss', 'acc'])
-      >>> lines[1:]
-      ['1,,train,,,,,,,0.5,', '1,,eval,,,,,,,,0.9']
-      >>> CSVLogger(d + "/metrics.csv").path == log.path  # a file name: that file
-      True
-    """
-
-    def __init__(
-        self, run_dir: str | os.PathLike, *, resume_step: int | None = None
-    ) -> None:
-        self.path = log_file(run_dir, "metrics.csv", "CSVLogger")
-        self.run_dir = self.path.parent
-        self.hparams_path = _beside(self.path, "metrics.csv", "hparams.csv")
-        self._columns: list[str] = list(_CSV_FIRST)
-        self._rows: list[dict[str, Any]] = []
-        self._started = self._written = False
-        if resume_step is not None:
-            self.start_run(resume_step, resumed=True)
-            self._open()
-
-    def start_run(self, step: int, *, resumed: bool) -> None:
-        """Starts the log of a run that starts at ``step``: the rows after it
-        dropped if ``resumed``, else refused (see `JsonlLogger.start_run`);
-        the file is rewritten at the first record or hyperparameters.
-
-        Raises:
-          ValueError: the log holds rows after ``step`` and ``resumed`` is
-            false, or the file is not such a log (nothing is written then).
-        """
-        columns, rows = list(_CSV_FIRST), []
-        if self.path.exists():
-            columns, rows = self._read()
-        self._rows = _kept(self.path, rows, step, resumed, "rows")
-        self._columns, self._started, self._written = columns, True, False
-
-    def log_hparams(self, hparams: dict[str, Any]) -> None:
-        self._open()
-        rows = [{"name": k, "value": v} for k, v in flat_hparams(hparams).items()]
-        text = io.StringIO()
-        writer = csv.DictWriter(text, ["name", "value"], lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-        _replace_atomically(self.hparams_path, text.getvalue())
-
-    def log_record(self, record: dict[str, Any]) -> None:
-        self._open()
-        row = {k: record[k] for k in _CSV_FIRST if k in record}
-        row.update(jsonable(record["metrics"]))
-        self._rows.append(row)
-        new = [k for k in row if k not in self._columns]
-        if new:
-            self._columns += new
-            self._rewrite()
-            return
-        with self.path.open("a", newline="") as f:
-            self._writer(f).writerow(row)
-
-    def _open(self) -> None:
-        """The file as the run starts it (a fresh log if `start_run` was not
-        called), written once."""
-        if not self._started:
-            self.start_run(0, resumed=False)
-        if not self._written:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._rewrite()
-            self._written = True
-
-    def close(self) -> None:
-        """Nothing to release: each record is written when logged."""
-
-    def _read(self) -> tuple[list[str], list[dict[str, Any]]]:
-        """The file's columns and rows (steps as numbers)."""
-        with self.path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            rows = list(reader)
-            columns = list(reader.fieldnames or _CSV_FIRST)
-        if "step" not in columns:
-            why = f"its header {columns[:4]} has no 'step' column"
-            raise _not_a_log(self.path, "CSVLogger", why)
-        for i, row in enumerate(rows):
-            try:
-                row["step"] = int(row["step"])
-            except (TypeError, ValueError):
-                why = f"row {i + 1} has step {row['step']!r}"
-                raise _not_a_log(self.path, "CSVLogger", why) from None
-        return columns, rows
-
-    def _writer(self, f: Any) -> csv.DictWriter:
-        return csv.DictWriter(f, self._columns, lineterminator="\n")
-
-    def _rewrite(self) -> None:
-        text = io.StringIO()
-        writer = self._writer(text)
-        writer.writeheader()
-        writer.writerows(self._rows)
-        _replace_atomically(self.path, text.getvalue())

@@ -22,7 +22,12 @@ class Logger(Protocol):
     ``state.step``) records after ``step`` are another run's. Every built-in
     logger has it: a resumed run's log goes on where it stopped.
 
+    A logger may also have ``log_media(step, media)``: text and images (name →
+    `pztrain.loggers.Text` or `pztrain.loggers.Image`) that an evaluation
+    returned; `pztrain.loggers.log_media` warns once about a logger without it.
+
     Example:
+      >>> from pztrain.loggers import Logger
       >>> class PrintLogger:  # any object with the three methods: fit(loggers=[...])
       ...     def log_hparams(self, hparams): print("hparams", hparams)
       ...     def log_record(self, record): print(record["step"], record["metrics"])
@@ -50,6 +55,7 @@ def flat_hparams(hparams: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     objects) become their JSON text.
 
     Example:
+      >>> from pztrain.loggers import flat_hparams
       >>> flat_hparams({"opt": {"lr": 0.1, "b": (0.9, 0.99)}, "seed": None})
       {'opt/lr': 0.1, 'opt/b': '[0.9, 0.99]', 'seed': 'null'}
     """

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from pztrain.loggers._files import log_directory
+from pztrain.loggers._media import Image, Text, not_media
 from pztrain.loggers._protocol import flat_hparams
 from pztrain.records import THROUGHPUT_KEYS
 
@@ -21,7 +22,8 @@ class TensorBoardLogger:
     tab, in this run's own event file (no sub-run): nested dicts are flattened
     (``"optimizer/lr"``), values that are not numbers, strings or bools are
     shown as text. At ``close`` the run's metrics are named to the tab, which
-    shows the last value of each.
+    shows the last value of each. Text and images (`log_media`) go to the
+    Text and Images tabs, under their names.
 
     A resumed run goes on in a new event file of the same directory that
     supersedes the steps after the one it resumes from: `start_run` (which
@@ -37,7 +39,7 @@ class TensorBoardLogger:
       ValueError: if ``run_dir`` is a file or has a log file's suffix.
 
     Example:
-      >>> import pathlib, tempfile
+      >>> import pathlib, tempfile; from pztrain import TensorBoardLogger
       >>> with tempfile.TemporaryDirectory() as d:
       ...     log = TensorBoardLogger(d)
       ...     log.log_record({"step": 1, "split": "train", "metrics": {"loss": 0.5}})
@@ -85,6 +87,23 @@ class TensorBoardLogger:
         for key in THROUGHPUT_KEYS:
             if key in record:
                 writer.add_scalar(f"time/{key}", record[key], global_step=step)
+
+    def log_media(self, step: int, media: dict[str, Text | Image]) -> None:
+        """Writes each text (``add_text``) and image (``add_image``) at ``step``.
+
+        Raises:
+          TypeError: naming the key, for a value that is not `Text` or `Image`.
+        """
+        writer = self._events()
+        for key, value in media.items():
+            if isinstance(value, Text):
+                writer.add_text(key, value.text, global_step=step)
+            elif isinstance(value, Image):
+                pixels = value.to_uint8()
+                formats = "HW" if pixels.ndim == 2 else "HWC"
+                writer.add_image(key, pixels, global_step=step, dataformats=formats)
+            else:
+                raise not_media("TensorBoardLogger", key, value)
 
     def close(self) -> None:
         if self._hparams is not None:

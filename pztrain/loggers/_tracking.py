@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import html
 import os
+import re
 import time
 from typing import Any
 
+from pztrain.loggers._media import Image, Text, file_stem, not_media
 from pztrain.loggers._protocol import flat_hparams
 from pztrain.records import THROUGHPUT_KEYS, jsonable
 
@@ -42,7 +45,7 @@ class MLflowLogger:
       run_id: The MLflow run's id.
 
     Example:
-      >>> import tempfile, unittest.mock
+      >>> import tempfile, unittest.mock, os; from pztrain.loggers import MLflowLogger
       >>> from mlflow.tracking import MlflowClient
       >>> with (tempfile.TemporaryDirectory() as d,  # a local store, if allowed:
       ...       unittest.mock.patch.dict(os.environ, MLFLOW_ALLOW_FILE_STORE="1")):
@@ -101,8 +104,31 @@ class MLflowLogger:
         metrics = [Metric(k, float(v), ms, step) for k, v in values.items()]
         self._client.log_batch(self.run_id, metrics=metrics)
 
+    def log_media(self, step: int, media: dict[str, Text | Image]) -> None:
+        """Logs each text as an artifact ``media/<key>-<step>.txt``
+        (``log_text``) and each image as MLflow's image of ``key`` at ``step``
+        (``log_image``: the run's Images tab, a slider over the steps; other
+        characters than letters, digits, ``_-. /`` in the key become ``_``).
+
+        Raises:
+          TypeError: naming the key, for a value that is not `Text` or `Image`.
+        """
+        for key, value in media.items():
+            if isinstance(value, Text):
+                file = f"media/{file_stem(key)}-{step}.txt"
+                self._client.log_text(self.run_id, value.text, file)
+            elif isinstance(value, Image):
+                name = _MLFLOW_NOT_IN_KEYS.sub("_", key)  # what MLflow takes
+                pixels = value.to_uint8()
+                self._client.log_image(self.run_id, pixels, key=name, step=step)
+            else:
+                raise not_media("MLflowLogger", key, value)
+
     def close(self) -> None:
         self._client.set_terminated(self.run_id)
+
+
+_MLFLOW_NOT_IN_KEYS = re.compile(r"[^\w\-. /]")
 
 
 def _existing_run(client: Any, run_id: str) -> str:
@@ -145,6 +171,7 @@ class WandbLogger:
       run: The ``wandb.Run``.
 
     Example:
+      >>> from pztrain.loggers import WandbLogger
       >>> log = WandbLogger("demo", mode="disabled")  # nothing written or sent
       >>> log.log_hparams({"lr": 0.1})
       >>> log.log_record({"step": 1, "split": "train", "metrics": {"loss": 0.5}})
@@ -190,6 +217,26 @@ class WandbLogger:
             if key in record:
                 values[f"time/{key}"] = record[key]
         self.run.log(values, step=record["step"])
+
+    def log_media(self, step: int, media: dict[str, Text | Image]) -> None:
+        """Logs each text as ``wandb.Html`` (preformatted) and each image as
+        ``wandb.Image``, under its key at ``step``.
+
+        Raises:
+          TypeError: naming the key, for a value that is not `Text` or `Image`.
+        """
+        import wandb
+
+        values: dict[str, Any] = {}
+        for key, value in media.items():
+            if isinstance(value, Text):
+                page = f"<pre>{html.escape(value.text)}</pre>"
+                values[key] = wandb.Html(page, inject=False, data_is_not_path=True)
+            elif isinstance(value, Image):
+                values[key] = wandb.Image(value.to_uint8())
+            else:
+                raise not_media("WandbLogger", key, value)
+        self.run.log(values, step=step)
 
     def close(self) -> None:
         self.run.finish()
