@@ -54,6 +54,7 @@ class Stop:
       TypeError: if ``reason`` is not a string (e.g. ``Stop(state)``).
 
     Example:
+      >>> from pztrain import Stop
       >>> Stop("loss is low enough").reason
       'loss is low enough'
     """
@@ -89,10 +90,14 @@ class LoopInfo:
       train_step: The train step given to `fit` (``None`` outside `fit`).
       train_data: The train data given to `fit` (``None`` outside `fit`).
       checkpoints: The `pztrain.Checkpoints` given to `fit`, or ``None``.
+      evaluations: The names of the run's evaluations (`pztrain.Evaluation`;
+        ``""``: the unnamed one of ``eval_step=``), in the order they run
+        (empty with ``evaluates``: the unnamed one alone).
 
     Example:
       A callback reads it at the start (here given one as `fit` would):
 
+      >>> from pztrain import LoopInfo
       >>> class Plan:
       ...     def on_train_start(self, state, info):
       ...         print(f"steps {info.start_step}-{info.end_step}, "
@@ -116,6 +121,13 @@ class LoopInfo:
     train_step: Any = None
     train_data: Any = None
     checkpoints: Any = None
+    evaluations: tuple[str, ...] = ()
+
+    @property
+    def evaluation_names(self) -> tuple[str, ...]:
+        """`evaluations`, or the unnamed one alone if the run evaluates and
+        they are not given."""
+        return self.evaluations or (("",) if self.evaluates else ())
 
 
 @dataclasses.dataclass
@@ -138,6 +150,7 @@ class History:
         or that the training data ran out.
 
     Example:
+      >>> from pztrain import History
       >>> h = History([{"step": 10, "split": "train", "metrics": {"loss": 0.9}},
       ...              {"step": 20, "split": "train", "metrics": {"loss": 0.4}},
       ...              {"step": 20, "split": "eval", "metrics": {"loss": 0.5}}])
@@ -192,8 +205,8 @@ class History:
     ) -> Any:
         """Plots metrics against steps with matplotlib (optional extra ``plot``).
 
-        One axes per metric: a train metric and the eval metric of the same name
-        share one (with the EMA's, ``"ema/<name>"``: `pztrain.with_ema`), the
+        One axes per metric: a train metric and the eval metrics of the same name
+        share one (the EMA's, ``"ema/<name>"``, and `pztrain.Evaluation` s'), the
         learning rate has its own, and the per-parameter grad norms
         (``"grad_norm/<param>"``) share one, a line per parameter. A metric
         named in ``names`` brings its EMA's line, and ``"grad_norm"`` the
@@ -214,7 +227,7 @@ class History:
           ValueError: for a name that was not logged, or an unknown split.
 
         Example:
-          >>> import matplotlib; matplotlib.use("Agg")
+          >>> import matplotlib; matplotlib.use("Agg"); from pztrain import History
           >>> h = History([{"step": 1, "split": "train", "metrics": {"loss": 1.0}},
           ...              {"step": 1, "split": "eval", "metrics": {"loss": 2.0}}])
           >>> fig = h.plot()
@@ -265,10 +278,13 @@ class History:
         splits = ("train", "eval") if split is None else (split,)
         logged = {s: self.metric_names(s) for s in splits}
         every = {SPREAD.sub("", n) for n in set().union(*logged.values())}
+        tails = [n.partition("/")[2] for n in every]  # "val/loss" and "test/loss"
+        shared = every | {t for t in tails if t and tails.count(t) > 1}
         wanted = sorted(every) if names is None else names
         wanted = [wanted] if isinstance(wanted, str) else list(wanted)
         panels: dict[str, list[tuple[str, str, str]]] = {}
-        for entry in _with_companions(wanted, every):
+        evals = {SPREAD.sub("", n) for n in logged.get("eval", ())}
+        for entry in _with_companions(wanted, every, evals):
             first, _, rest = entry.partition("/")
             only = first if rest and first in ("train", "eval") else None
             name = rest if only else entry
@@ -284,7 +300,7 @@ class History:
                     f"{ {s: sorted(n) for s, n in logged.items()} }; name a "
                     "metric as 'loss' (every split) or 'eval/loss'."
                 )
-            title, label = _panel_of(name)
+            title, label = _panel_of(name, shared)
             lines = panels.setdefault(title, [])
             for s in found:
                 for i, member in enumerate(_members_of(name, logged[s])):
@@ -303,9 +319,13 @@ SPREAD = re.compile(r"/(member_\d+|min|max)$")
 _MEMBER_LINE = {"linewidth": 0.8, "alpha": 0.45}
 
 
-def _with_companions(wanted: list[str], logged: set[str]) -> list[str]:
+def _with_companions(
+    wanted: list[str], logged: set[str], evals: set[str] = frozenset()
+) -> list[str]:
     """``wanted`` with, after each metric, the lines drawn with it: its EMA's
-    (``"ema/<name>"``) and, after ``"grad_norm"``, every parameter's
+    (``"ema/<name>"``), each named evaluation's (``"<evaluation>/<name>"``
+    among the ``evals`` names, in their place if ``<name>`` itself is not
+    logged) and, after ``"grad_norm"``, every parameter's
     (``"grad_norm/<param>"``)."""
     out: list[str] = []
     for entry in wanted:
@@ -313,10 +333,14 @@ def _with_companions(wanted: list[str], logged: set[str]) -> list[str]:
         prefix, name = (
             (f"{first}/", rest) if first in ("train", "eval") else ("", entry)
         )
+        named = sorted(
+            n for n in evals if n.partition("/")[2] == name and n != f"ema/{name}"
+        ) if prefix != "train/" else []  # fmt: skip
         more = [f"ema/{name}"] if f"ema/{name}" in logged else []
         if name == "grad_norm":
             more += sorted(n for n in logged if n.startswith("grad_norm/"))
-        for item in [entry, *(prefix + m for m in more)]:
+        first_items = [entry] if name in logged or not named else []
+        for item in [*first_items, *(prefix + m for m in more + named)]:
             if item not in out:
                 out.append(item)
     return out
@@ -338,12 +362,18 @@ def _members_of(name: str, logged: Any) -> list[str]:
     return sorted(found, key=lambda n: int(n.rpartition("_")[2]))
 
 
-def _panel_of(name: str) -> tuple[str, str]:
-    """The panel a metric is drawn on, and its line's label (``{split}``)."""
+def _panel_of(name: str, logged: set[str] = frozenset()) -> tuple[str, str]:
+    """The panel a metric is drawn on, and its line's label (``{split}``). A
+    named evaluation's ``"<evaluation>/<metric>"`` goes on ``<metric>``'s panel
+    when ``<metric>`` is logged too (``logged``: every name)."""
     if name.startswith("grad_norm/"):
         return "grad_norm per param", name.removeprefix("grad_norm/")
     if name.startswith("ema/"):
         return name.removeprefix("ema/"), "{split} EMA"
+    head, _, tail = name.partition("/")
+    if tail and (tail in logged or tail.removeprefix("ema/") in logged):
+        title, label = _panel_of(tail)
+        return title, label.replace("{split}", "{split} " + head)
     return name, "{split}"
 
 
@@ -354,7 +384,7 @@ def read_jsonl(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     is left out; any other line that is not JSON is an error.
 
     Example:
-      >>> import pathlib, tempfile
+      >>> import pathlib, tempfile; from pztrain.loggers import read_jsonl
       >>> with tempfile.TemporaryDirectory() as d:
       ...     text = '{"step": 1}\\n{"step": 2}\\n{"st'  # killed mid-line
       ...     _ = pathlib.Path(d, "metrics.jsonl").write_text(text)
@@ -376,7 +406,7 @@ def jsonable(value: Any) -> Any:
     lists, non-finite floats and other objects as strings.
 
     Example:
-      >>> import numpy as np
+      >>> import numpy as np; from pztrain.records import jsonable
       >>> jsonable({"lr": np.float32(0.5), "pair": (1, 2), "x": float("nan")})
       {'lr': 0.5, 'pair': [1, 2], 'x': 'nan'}
     """

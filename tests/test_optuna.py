@@ -175,3 +175,19 @@ def test_tune_digits_example_prunes_and_finds_a_good_model(tmp_path, capsys):
     assert study.best_value < 0.3
     assert study.best_trial.user_attrs["accuracy"] > 0.9
     assert re.search(r"best: \{'learning_rate': [0-9.e-]+, 'width': \d+\}", out)
+
+
+def test_pruning_reads_a_named_evaluation_only_where_it_ran():
+    from pztrain import LoopInfo
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    pruning = OptunaPruning(study.ask(), "eval/val/loss")
+    info = LoopInfo(0, 10, None, 1, 1, True, None, {}, evaluations=("val", "test"))
+    pruning.on_train_start(None, info)
+    for step, metrics in [(2, {"test/loss": 9.0}), (4, {"val/loss": 0.5})]:
+        record = {"step": step, "split": "eval", "metrics": metrics}
+        assert pruning.on_eval_end(None, record) is None
+    assert pruning.reported == {4: 0.5}  # step 2 ran the test set only
+    with pytest.raises(ValueError, match="names no evaluation of this run"):
+        OptunaPruning(study.ask(), "eval/other/loss").on_train_start(None, info)

@@ -9,6 +9,14 @@
   file holds no line that times the compile.
 * Its pace: `pace`, the steps between two moves of the bar.
 * tqdm itself, an optional dependency: `tqdm_bar` names the extra to install.
+* Text where a widget would not render: a notebook run with no browser (the
+  docs build, ``jupyter nbconvert --execute``) saves a widget's output as a
+  reference to a renderer loaded from the web, an empty box offline. With
+  ``PZTRAIN_PROGRESS=text`` in the environment the bar is tqdm's text bar on
+  standard output, in a notebook too, written once, in its final state, when it
+  closes (`LastLine`): a saved output holds one line, not one per move (another
+  output in between, a live plot's, keeps a notebook from folding the moves),
+  and the whole line, all its metrics, not cut to a terminal's width.
 
 A notebook's bar (a widget) sizes itself; a bar without tqdm's attributes (a
 test's fake) is left alone.
@@ -16,22 +24,69 @@ test's fake) is left alone.
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from typing import Any
 
-__all__ = ["fit_width", "pace", "restart_clock", "tqdm_bar"]
+__all__ = ["PROGRESS_ENV", "LastLine", "fit_width", "pace", "restart_clock", "tqdm_bar"]
+
+PROGRESS_ENV = "PZTRAIN_PROGRESS"
+_STYLES = ("auto", "text")
 
 
 def tqdm_bar(**kwargs: Any) -> Any:
-    """``tqdm.auto.tqdm(**kwargs)`` (a notebook's widget or a text bar)."""
+    """``tqdm.auto.tqdm(**kwargs)`` (a notebook's widget or a text bar), or
+    tqdm's text bar on standard output with ``PZTRAIN_PROGRESS=text``."""
+    style = os.environ.get(PROGRESS_ENV, "") or "auto"
+    if style not in _STYLES:
+        raise ValueError(
+            f"{PROGRESS_ENV}={style!r}: expected one of {_STYLES} ('text': a text "
+            "progress bar on standard output, also in a notebook; 'auto': tqdm's "
+            "choice, a widget in a notebook)."
+        )
     try:
         from tqdm.auto import tqdm
+        from tqdm.std import tqdm as text_tqdm
     except ImportError:
         raise ImportError(
             "The progress bar needs tqdm: pip install 'pztrain[progress]' "
             "(or pass progress=False to fit)."
         ) from None
+    if style == "text":  # a saved line, read later: whole, not cut to a width
+        kwargs["dynamic_ncols"] = False
+        return text_tqdm(file=LastLine(sys.stdout), **kwargs)
     return tqdm(**kwargs)
+
+
+class LastLine:
+    """A text stream that writes each line's last state (after its last ``\\r``)
+    once the line ends: a text bar's moves are not written, its final state is.
+
+    Example:
+      >>> import io
+      >>> out = io.StringIO()
+      >>> line = LastLine(out)
+      >>> line.write("\\r 10%| 1/10"); line.write("\\r100%| 10/10"); out.getvalue()
+      ''
+      >>> line.write("\\n"); out.getvalue()
+      '100%| 10/10\\n'
+    """
+
+    encoding = "utf-8"  # tqdm draws the bar with blocks, not "#"
+
+    def __init__(self, out: Any):
+        self.out = out
+        self._pending = ""
+
+    def write(self, text: str) -> None:
+        self._pending += text
+        while "\n" in self._pending:
+            line, _, self._pending = self._pending.partition("\n")
+            self.out.write(line.rpartition("\r")[2].strip() + "\n")
+
+    def flush(self) -> None:
+        self.out.flush()
 
 
 def fit_width(bar: Any) -> None:

@@ -24,6 +24,8 @@ def record_only(on_log: Callable[..., Any]) -> Callable[..., Any]:
     a marked ``on_log`` is not record-only unless it marks its own.
 
     Example:
+      >>> from pztrain import Callback
+      >>> from pztrain.callbacks import record_only
       >>> class Show(Callback):
       ...     @record_only
       ...     def on_log(self, state, record):
@@ -47,6 +49,7 @@ class Callback:
     with `record_only`, which lets log points overlap with training.
 
     Example:
+      >>> from pztrain import Callback
       >>> from pztrain import Stop
       >>> class StopAtLoss(Callback):  # fit(..., callbacks=[StopAtLoss()])
       ...     def on_log(self, state, record):

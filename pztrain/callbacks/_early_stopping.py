@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pztrain.callbacks._base import Callback
+from pztrain.callbacks._monitored import eval_owner, eval_value
 from pztrain.records import Stop
 
 if TYPE_CHECKING:
@@ -22,10 +23,13 @@ def _split_monitor(monitor: str) -> tuple[str, str]:
     return (split, name) if split == "eval" and name else ("train", monitor)
 
 
-def _metric(record: dict[str, Any], monitor: str) -> float | None:
-    """Reads ``monitor`` (``"loss"`` or ``"eval/loss"``) from a record of its split
-    (a KeyError if the record is of the monitored split but lacks the metric)."""
+def _metric(record: dict[str, Any], monitor: str, evaluations) -> float | None:
+    """Reads ``monitor`` (``"loss"``, ``"eval/loss"`` or ``"eval/<name>/loss"``)
+    from a record of its split (a KeyError if the record is of the monitored
+    split, or its evaluation's, but lacks the metric)."""
     split, name = _split_monitor(monitor)
+    if split == "eval":
+        return eval_value(record, monitor, evaluations)
     if record["split"] != split:
         return None
     if name not in record["metrics"]:
@@ -40,8 +44,9 @@ class EarlyStopping(Callback):
     """Stops when a monitored metric has not improved for ``patience`` checks.
 
     Args:
-      monitor: ``"eval/<name>"`` for an eval metric, ``"<name>"`` for a train
-        metric (checked at every log point).
+      monitor: ``"eval/<name>"`` for an eval metric (``"eval/<evaluation>/
+        <name>"`` for a named `pztrain.Evaluation`'s), ``"<name>"`` for a
+        train metric (checked at every log point).
       mode: ``"min"`` or ``"max"``.
       patience: Checks without improvement before stopping.
       min_delta: The least change that counts as an improvement.
@@ -58,6 +63,7 @@ class EarlyStopping(Callback):
       wait: Checks since the last improvement.
 
     Example:
+      >>> from pztrain import EarlyStopping
       >>> stopper = EarlyStopping("eval/loss", patience=2)
       >>> r = lambda step, loss: {"step": step, "split": "eval",
       ...                         "metrics": {"loss": loss}}
@@ -86,6 +92,7 @@ class EarlyStopping(Callback):
         self.best_step: int | None = None
         self.wait = 0
         self._best_params: Any = None
+        self._evaluations: tuple[str, ...] = ("",)  # the run's (on_train_start)
 
     def _improved(self, value: float) -> bool:
         if self.mode == "min":
@@ -93,7 +100,7 @@ class EarlyStopping(Callback):
         return value > self.best + self.min_delta
 
     def _check(self, state: TrainState | None, record: dict[str, Any]) -> Any:
-        value = _metric(record, self.monitor)
+        value = _metric(record, self.monitor, self._evaluations)
         if value is None:
             return None
         if self._improved(value):
@@ -141,3 +148,8 @@ class EarlyStopping(Callback):
                 "evaluation: pass eval_step and eval_data, or monitor a train "
                 "metric such as 'loss'."
             )
+        self._evaluations = info.evaluation_names
+        try:
+            eval_owner(self.monitor, self._evaluations)
+        except ValueError as e:
+            raise ValueError(f"EarlyStopping: {e}") from None

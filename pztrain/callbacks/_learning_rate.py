@@ -31,6 +31,8 @@ class LearningRateMonitor(Callback):
         int or a scalar array), naming the step and what it returned.
 
     Example:
+      >>> import optax
+      >>> from pztrain import LearningRateMonitor
       >>> record = {"step": 3, "metrics": {}}  # a log point after 3 updates
       >>> LearningRateMonitor(optax.linear_schedule(1.0, 0.0, 8)).on_log(None, record)
       >>> record["metrics"]

@@ -36,7 +36,7 @@ class NanPolicy(Callback):
     the run has gone wrong).
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp, optax; from pztrain import NanPolicy
       >>> from pztrain import TrainState
       >>> tx = optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=10)
       >>> state = TrainState.initial_state({"w": jnp.ones(2)}, tx, jax.random.key(0))

@@ -55,6 +55,7 @@ class PopulationBasedTraining(Callback):
         the hyperparameters after it.
 
     Example:
+      >>> from pztrain import PopulationBasedTraining
       >>> import jax, jax.numpy as jnp, numpy as np, optax, pztrain
       >>> def init(seed):
       ...     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)

@@ -39,12 +39,19 @@ class ProgressBar(Callback):
     else 80 characters), and its rate and ETA count from its first move, after the
     compile.
 
+    In a notebook it is a widget. A notebook run without a browser (the docs
+    build, ``jupyter nbconvert --execute``) saves a widget as a reference that
+    renders only where its script loads from the web; set ``PZTRAIN_PROGRESS=text``
+    in the environment (before the kernel starts) for tqdm's text bar on standard
+    output instead: the saved output is its last line, readable anywhere.
+
     Args:
       metrics: Names to show (default: all train metrics).
       make_bar: A tqdm-like factory (for tests); default ``tqdm.auto.tqdm``.
       seconds: The wall time between moves, once the step rate is known.
 
     Example:
+      >>> from pztrain import ProgressBar
       >>> class Bar:
       ...     def __init__(self, **kw): self.moves = []
       ...     def update(self, n): self.moves.append(n)
@@ -114,7 +121,8 @@ class ProgressBar(Callback):
 
     def on_eval_end(self, state, record):
         shown = _shown(record["metrics"], None)
-        self._eval = {f"eval/{k}": v for k, v in shown.items()}
+        # each evaluation's last values: named ones run on their own cadences
+        self._eval.update({f"eval/{k}": v for k, v in shown.items()})
         self.bar.set_postfix({**self._train, **self._eval}, refresh=False)
 
     def on_train_end(self, state, history):

@@ -18,6 +18,7 @@ import jax
 
 from pztrain._tree import all_finite
 from pztrain.callbacks import Callback
+from pztrain.callbacks._monitored import eval_owner, eval_value
 from pztrain.checkpoint import _directory, _format
 from pztrain.checkpoint._due import SavePoints
 from pztrain.checkpoint._retention import Retention
@@ -60,6 +61,7 @@ class Checkpoints(Callback):
         step that exists.
 
     Example:
+      >>> from pztrain import Checkpoints, TrainState
       >>> import tempfile, jax, jax.numpy as jnp, optax
       >>> state = TrainState.initial_state({"w": jnp.ones(2)}, optax.sgd(0.1),
       ...                                  jax.random.key(0))
@@ -126,6 +128,7 @@ class Checkpoints(Callback):
         self._callbacks: tuple[Callback, ...] = ()
         self._eval: tuple[int, dict[str, float]] | None = None  # (step, metrics)
         self._latest_metrics: dict[str, float] = {}
+        self._evaluations: tuple[str, ...] = ("",)  # the run's (on_train_start)
         self._hparams: dict[str, Any] = {}
         self._stale: list[int] = []  # the steps overwrite deletes at the start
         self._saves = self._ranked = 0  # saves this run, and those with monitor
@@ -133,7 +136,7 @@ class Checkpoints(Callback):
         self.continues_run = False  # see prepare
         self.elapsed = 0.0  # see restore_latest
         self._time: float | None = None  # the newest record's time
-        self.owed_eval: tuple[int, int] | None = None  # see restore_latest
+        self.owed_eval: tuple | None = None  # see restore_latest
 
     @property
     def manager(self) -> Any:
@@ -179,7 +182,7 @@ class Checkpoints(Callback):
         metrics: dict | None,
         *,
         wait: bool,
-        owed_eval: tuple[int, int] | None = None,
+        owed_eval: tuple | None = None,
     ) -> None:
         check_alive(state, "Checkpoints.save", "the arrays of this TrainState")
         self.wait()  # the previous save first: its error names its step
@@ -195,12 +198,14 @@ class Checkpoints(Callback):
         meta = self._metadata(state, metrics)
         if owed_eval is not None:
             meta["owed_eval"] = {"step": owed_eval[0], "epoch": owed_eval[1]}
+            if len(owed_eval) > 2:  # some of the evaluations (else all of them)
+                meta["owed_eval"]["names"] = list(owed_eval[2])
         self.store.write(step, state, meta, metrics, wait=wait)
         self._saves += 1
         self._ranked += metrics is not None and self.monitor in metrics
 
     def save_stopped(
-        self, state: TrainState, step: int, owed_eval: tuple[int, int] | None = None
+        self, state: TrainState, step: int, owed_eval: tuple | None = None
     ) -> Path | None:
         """Saves the step a run stopped at (`pztrain.fit` calls it after a
         signal), synchronously, once the pending saves are on disk.
@@ -208,8 +213,9 @@ class Checkpoints(Callback):
         Args:
           state: The state at ``step``.
           step: The step.
-          owed_eval: ``(step, epoch)`` of an evaluation that the stop skipped or
-            cut short: stored, so that the resumed run does it first.
+          owed_eval: ``(step, epoch)`` of the evaluations that the stop skipped
+            or cut short (``(step, epoch, names)`` if not all of them): stored,
+            so that the resumed run does them first.
 
         Returns:
           The checkpoint of ``step`` (saved now or before), or ``None`` if there
@@ -341,6 +347,14 @@ class Checkpoints(Callback):
                 f"{self.monitor!r}, but fit runs no evaluation: pass eval_step and "
                 "eval_data to fit, or monitor a train metric."
             )
+        self._evaluations = info.evaluation_names
+        if self.keep_best:
+            try:
+                eval_owner(self.monitor, self._evaluations)
+            except ValueError as e:
+                raise ValueError(
+                    f"Checkpoints(keep_best={self.keep_best}): {e}"
+                ) from None
         self._hparams = jsonable(dict(info.hparams))
         self._running = True
         self._callbacks = tuple(info.callbacks)
@@ -367,11 +381,13 @@ class Checkpoints(Callback):
         metrics = {f"eval/{k}": v for k, v in record["metrics"].items()}
         metrics.update(self._latest_metrics)
         if self.keep_best and self.monitor.startswith("eval/"):
-            if self.monitor not in metrics:
+            try:  # None: the monitored evaluation did not run at this point
+                eval_value(record, self.monitor, self._evaluations)
+            except KeyError:
                 raise KeyError(
                     f"Checkpoints monitors {self.monitor!r}, which is not among the "
                     f"metrics {sorted(metrics)}."
-                )
+                ) from None
         self._eval = (record["step"], metrics)
         self._time = record.get("time", self._time)
         self.points.evaluated(record["step"])
@@ -392,9 +408,9 @@ class Checkpoints(Callback):
         return dict(self._latest_metrics)
 
     def on_train_end(self, state, history):
-        """Saves the final state (also after an exception) if `SavePoints.final`
-        says so. Nothing is saved if the state was consumed, a save failed or
-        the run did not start."""
+        """Saves the final state (also after an exception) if its train record
+        is logged and its point over. Nothing is saved if the state was
+        consumed, a save failed or the run did not start."""
         running, self._running = self._running, False
         if self.store.failed is not None or not running:
             return

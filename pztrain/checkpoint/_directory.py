@@ -98,9 +98,9 @@ class Found(NamedTuple):
       callbacks: The callbacks' ``state_dict`` s saved with it.
       unreadable: The newer steps that could not be read.
       metrics: The metrics stored with each readable checkpoint, by step.
-      owed_eval: The ``(step, epoch)`` of an evaluation that a stop left
-        undone before it was saved (the resumed run does it first), or
-        ``None``.
+      owed_eval: The ``(step, epoch)`` of the evaluations that a stop left
+        undone before it was saved (the resumed run does them first), or
+        ``(step, epoch, names)`` when it names them, or ``None``.
       time: The run's records' ``time`` when it was saved (0.0 if it does
         not say).
     """
@@ -110,7 +110,7 @@ class Found(NamedTuple):
     callbacks: dict[str, Any]
     unreadable: list[int]
     metrics: dict[int, dict[str, float] | None]
-    owed_eval: tuple[int, int] | None = None
+    owed_eval: tuple | None = None
     time: float = 0.0
 
 
@@ -153,11 +153,14 @@ def _read(path: Path, like: TrainState) -> tuple[TrainState, dict[str, Any]] | N
     return None
 
 
-def _owed_eval(stored: Any, step: int) -> tuple[int, int] | None:
-    """The owed evaluation stored with checkpoint ``step`` (of that step)."""
+def _owed_eval(stored: Any, step: int) -> tuple | None:
+    """The owed evaluations stored with checkpoint ``step`` (of that step):
+    ``(step, epoch)``, or ``(step, epoch, names)`` if it names them."""
     if isinstance(stored, dict) and stored.get("step") == step:
-        epoch = stored.get("epoch")
+        epoch, names = stored.get("epoch"), stored.get("names")
         if isinstance(epoch, int) and not isinstance(epoch, bool):
+            if isinstance(names, list) and all(isinstance(n, str) for n in names):
+                return step, epoch, tuple(names)
             return step, epoch
     return None
 

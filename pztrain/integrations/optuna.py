@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pztrain.callbacks import Callback
+from pztrain.callbacks._monitored import eval_owner, eval_value
 from pztrain.records import Stop
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ def import_optuna() -> Any:
     """The ``optuna`` module, or an `ImportError` naming the extra to install.
 
     Example:
+      >>> from pztrain.integrations.optuna import import_optuna
       >>> optuna = import_optuna()
       >>> optuna.logging.set_verbosity(optuna.logging.WARNING)
       >>> optuna.create_study(direction="maximize").direction.name
@@ -83,7 +85,7 @@ class OptunaPruning(Callback):
       KeyError: at an evaluation whose metrics lack the monitored one.
 
     Example:
-      >>> import optuna
+      >>> import optuna; from pztrain.integrations.optuna import OptunaPruning
       >>> optuna.logging.set_verbosity(optuna.logging.WARNING)
       >>> study = optuna.create_study(pruner=optuna.pruners.NopPruner())
       >>> trial = study.ask()
@@ -109,6 +111,7 @@ class OptunaPruning(Callback):
         self.raise_pruned = bool(raise_pruned)
         self.reported: dict[int, float] = {}
         self.pruned_step: int | None = None
+        self._evaluations: tuple[str, ...] = ("",)  # fit's, from on_train_start
         self._reason = ""
 
     @property
@@ -123,15 +126,14 @@ class OptunaPruning(Callback):
                 "evaluation: pass eval_step and eval_data (and eval_every to "
                 "report more often than once per epoch)."
             )
+        self._evaluations = info.evaluation_names
+        eval_owner(self.monitor, self._evaluations)  # names one of them
 
     def on_eval_end(self, state: TrainState, record: dict[str, Any]) -> Stop | None:
-        metrics = record["metrics"]
-        if self._name not in metrics:
-            raise KeyError(
-                f"OptunaPruning's monitor {self.monitor!r} is not among the eval "
-                f"metrics {sorted(metrics)}: monitor one of them as 'eval/<name>'."
-            )
-        step, value = int(record["step"]), float(metrics[self._name])
+        found = eval_value(record, self.monitor, self._evaluations)
+        if found is None:  # its evaluation did not run at this point
+            return None
+        step, value = int(record["step"]), float(found)
         if step in self.reported:  # Optuna keeps the first value of a step
             return None
         self.trial.report(value, step)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pztrain._members import member_key
 from pztrain.callbacks import Callback
+from pztrain.callbacks._monitored import eval_owner, eval_value
 from pztrain.integrations.optuna import import_optuna
 from pztrain.loop import fit
 from pztrain.population import make_population, population_size
@@ -140,6 +141,7 @@ class PopulationPruning(Callback):
       KeyError: at an evaluation that lacks the monitored metric per member.
 
     Example:
+      >>> from pztrain.integrations.optuna_population import PopulationPruning
       >>> import optuna
       >>> optuna.logging.set_verbosity(optuna.logging.WARNING)
       >>> study = optuna.create_study(pruner=optuna.pruners.ThresholdPruner(upper=1))
@@ -165,6 +167,7 @@ class PopulationPruning(Callback):
         self._name = _metric_name(monitor, "PopulationPruning")
         self.reported: list[dict[int, float]] = [{} for _ in self.trials]
         self.pruned_steps: dict[int, int] = {}
+        self._evaluations: tuple[str, ...] = ("",)  # fit's, from on_train_start
 
     def on_train_start(self, state: TrainState, info: LoopInfo) -> None:
         if not info.evaluates:
@@ -179,8 +182,16 @@ class PopulationPruning(Callback):
                 + ("a single run" if size is None else f"a population of {size}")
                 + ": give one trial per member (see ask_population)."
             )
+        self._evaluations = info.evaluation_names
+        eval_owner(self.monitor, self._evaluations)  # names one of them
 
     def on_eval_end(self, state: TrainState, record: dict[str, Any]) -> Stop | None:
+        with contextlib.suppress(KeyError):  # a missing metric: named below
+            if (
+                eval_value(record, member_key(self.monitor, 0), self._evaluations)
+                is None
+            ):
+                return None  # its evaluation did not run at this point
         size, step = len(self.trials), int(record["step"])
         values = _member_values(
             record["metrics"], self._name, size, "PopulationPruning"
@@ -237,6 +248,7 @@ def ask_population(
       (``TrialState.FAIL``) before the error is raised.
 
     Example:
+      >>> from pztrain.integrations.optuna_population import ask_population
       >>> import optuna
       >>> optuna.logging.set_verbosity(optuna.logging.WARNING)
       >>> study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
@@ -308,6 +320,7 @@ def tell_population(
       KeyError: if the last evaluation lacks the monitored metric per member.
 
     Example:
+      >>> from pztrain.integrations.optuna_population import tell_population
       >>> import optuna
       >>> from pztrain import History
       >>> optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -371,17 +384,17 @@ def optimize_population(
       ValueError: for a bad monitor, n_batches, fit argument or hyperparameter.
 
     Example:
-      >>> import jax, jax.numpy as jnp, optax, optuna, pztrain
+      >>> import jax, optax, optuna, pztrain.integrations.optuna_population
       >>> def init(seed):
       ...     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
-      ...     model, key = {"w": jnp.zeros(3)}, jax.random.key(seed)
+      ...     model, key = {"w": jax.numpy.zeros(3)}, jax.random.key(seed)
       ...     return pztrain.TrainState.initial_state(model, tx, key)
       >>> def loss_fn(*, model, state, rng, x):
-      ...     loss = jnp.mean((x @ model["w"] - 1.0) ** 2)
+      ...     loss = jax.numpy.mean((x @ model["w"] - 1.0) ** 2)
       ...     return loss, state, {"loss": loss}
-      >>> data = pztrain.ArrayLoader({"x": jnp.ones((32, 3))}, 8)
+      >>> data = pztrain.ArrayLoader({"x": jax.numpy.ones((32, 3))}, 8)
       >>> study = optuna.create_study()
-      >>> runs = optimize_population(
+      >>> runs = pztrain.integrations.optuna_population.optimize_population(
       ...     study, init, lambda t: {"learning_rate": t.suggest_float("lr", 0, 0.1)},
       ...     members=3, train_step=pztrain.build_train_step(loss_fn),
       ...     train_data=data, num_epochs=2, eval_data=data, progress=False,

@@ -14,6 +14,7 @@ from pztrain.checkpoint import Checkpoints
 from pztrain.data._kinds import as_fit_data
 from pztrain.ema import NoEmaError, has_ema
 from pztrain.loggers import Logger
+from pztrain.loop._evaluations import check_evaluations, unnamed_evaluation
 from pztrain.loop._schedule import check_eval_every_epochs
 from pztrain.loop._signals import check_signals
 from pztrain.loop._sources import check_epochs, data_callbacks
@@ -28,9 +29,11 @@ __all__ = ["FitArguments"]
 class FitArguments:
     """The arguments of one `pztrain.fit` call (see its docstring), checked.
 
-    ``callbacks`` becomes a list (with the callback that keeps sequential train
-    data's iterator state last), ``loggers`` a list or ``None``; grain datasets
-    become the loop's kinds of data (`pztrain.data._kinds.as_fit_data`);
+    ``evaluations`` becomes a tuple of checked `pztrain.Evaluation` s, the
+    unnamed one of ``eval_step=`` first. ``callbacks`` becomes a list (with the
+    callback that keeps sequential train data's iterator state last),
+    ``loggers`` a list or ``None``; grain datasets become the loop's kinds of
+    data (`pztrain.data._kinds.as_fit_data`);
     ``preempt_on`` becomes a tuple of `signal.Signals`.
 
     Raises:
@@ -48,6 +51,7 @@ class FitArguments:
     eval_every: int | None = None
     eval_every_epochs: int | None = None
     eval_ema: bool = False
+    evaluations: Sequence[Any] = ()
     log_every: int = 100
     callbacks: Sequence[Callback] = ()
     loggers: Sequence[Logger] | None = None
@@ -85,6 +89,17 @@ class FitArguments:
             self.eval_every_epochs, self.eval_every, self.eval_step is not None
         )
         _check_eval_ema(self.eval_ema, self.eval_step, self.state)
+        unnamed = None
+        if self.eval_step is not None:
+            unnamed = unnamed_evaluation(
+                self.eval_step,
+                self.eval_data,
+                self.eval_every,
+                self.eval_every_epochs,
+                self.eval_ema,
+            )
+        k = self.train_step.steps_per_call
+        self.evaluations = check_evaluations(self.evaluations, unnamed, self.state, k)
         if self.peak_flops is not None and not (
             isinstance(self.peak_flops, int | float) and self.peak_flops > 0
         ):
@@ -100,7 +115,7 @@ class FitArguments:
     @property
     def evaluates(self) -> bool:
         """Whether the run evaluates."""
-        return self.eval_step is not None
+        return bool(self.evaluations)
 
 
 def _check_options(

@@ -5,27 +5,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from pztrain._members import spread
+from pztrain._members import member_count
 from pztrain._tree import named_leaves
-from pztrain.data import StepLoader, put_batch
+from pztrain.data import eval_batches
 from pztrain.data._batch import BatchError, check_batch
 from pztrain.data._kinds import as_fit_data
 from pztrain.loop._hooks import host_reads
 from pztrain.loop._signals import StopFlag, stop_signals
+from pztrain.metric_states import is_metric_state
+from pztrain.metrics import EvalSums
 from pztrain.state import TrainState
 from pztrain.state._state import check_state
 from pztrain.step import EvalStep
 
 __all__ = ["evaluate", "evaluate_until"]
-
-
-@jax.jit
-def _weighted_add(sums: Any, values: Any, n: jax.Array) -> Any:
-    return jax.tree.map(lambda s, v: s + jnp.asarray(v, jnp.float32) * n, sums, values)
 
 
 def evaluate(
@@ -67,6 +60,8 @@ def evaluate(
         `pztrain.fit` for signals).
 
     Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from pztrain import evaluate, TrainState
       >>> import numpy as np, optax, pztrain
       >>> def eval_fn(*, model, state, rng, x):
       ...     return {"mean": jnp.mean(x * model["w"])}
@@ -99,28 +94,17 @@ def evaluate_until(
     check_state(state, "evaluate(state, ...)")
     run = _on_weights(state, eval_step, ema)
     data = as_fit_data(data, "data", train=False)
-    sums, total = None, 0
-    sharding = data.batch_sharding() if isinstance(data, StepLoader) else None
-    for batch in data:
+    sums = EvalSums(member_count(state.root_rng))
+    for batch in eval_batches(data):  # every example once; on a mesh, placed
         if flag.requested:
             return None
-        check_batch(batch)
-        if sharding is not None:  # this process's rows of a global batch
-            batch = put_batch(batch, sharding)
         n = check_batch(batch)  # examples of the (global) batch
         values = run(batch)
-        if sums is None:
-            sums = jax.tree.map(lambda v: jnp.zeros(jnp.shape(v), jnp.float32), values)
-        sums = _weighted_add(sums, values, jnp.float32(n))
-        total += n
-    if sums is None:
+        sums = sums.add(values, n)  # metric states merged, the rest weighted by n
+    if sums.total == 0:
         raise BatchError("evaluate got no batches: the eval data is empty.")
-    with host_reads():
-        host = jax.device_get(sums)
-    out: dict[str, float] = {}
-    for name, v in named_leaves(host):  # a population's: per member, and more
-        out.update(spread(name, np.asarray(v, np.float64) / total))
-    return out
+    with host_reads():  # a population's: per member, and more
+        return sums.read()
 
 
 def _on_weights(state: TrainState, eval_step: EvalStep, ema: Any):
@@ -134,7 +118,7 @@ def _on_weights(state: TrainState, eval_step: EvalStep, ema: Any):
         return lambda batch: eval_step(averaged, **batch)
 
     def both(batch: dict[str, Any]) -> dict[str, Any]:
-        values = dict(named_leaves(eval_step(state, **batch)))
+        values = dict(named_leaves(eval_step(state, **batch), is_metric_state))
         return {**values, **_prefixed(eval_step(averaged, **batch))}
 
     return both
@@ -142,4 +126,4 @@ def _on_weights(state: TrainState, eval_step: EvalStep, ema: Any):
 
 def _prefixed(values: Any) -> dict[str, Any]:
     """An eval step's metrics named ``"ema/<name>"``."""
-    return {f"ema/{name}": v for name, v in named_leaves(values)}
+    return {f"ema/{name}": v for name, v in named_leaves(values, is_metric_state)}

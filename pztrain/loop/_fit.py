@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import time
 import warnings
@@ -27,7 +26,7 @@ from pztrain.checkpoint._lock import locked
 from pztrain.data import StepLoader
 from pztrain.loggers import JsonlLogger, Logger
 from pztrain.loop._arguments import FitArguments
-from pztrain.loop._evaluate import evaluate_until
+from pztrain.loop._evaluations import EvalRunner, Evaluation, cadence_of
 from pztrain.loop._hooks import Hooks, RecordLog, host_reads
 from pztrain.loop._reporting import Reporter
 from pztrain.loop._resources import check_memory, peak_flops, step_devices
@@ -54,6 +53,7 @@ def fit(
     eval_every: int | None = None,
     eval_every_epochs: int | None = None,
     eval_ema: bool = False,
+    evaluations: Sequence[Evaluation] = (),
     log_every: int = 100,
     callbacks: Sequence[Callback] = (),
     loggers: Sequence[Logger] | None = None,
@@ -68,9 +68,6 @@ def fit(
 ) -> tuple[TrainState, History]:
     """Trains ``state`` with ``train_step`` on ``train_data``.
 
-    Ctrl-C or a ``preempt_on`` signal stops it before the next call, saved, with
-    ``stop_reason`` "interrupted" or "preempted"; errors keep ``err.train_state``.
-
     Args:
       state: The state to start from; training continues from ``state.step``.
       train_step: From `pztrain.build_train_step`.
@@ -82,6 +79,7 @@ def fit(
       eval_every: Steps between evaluations (default: each epoch end, or the end).
       eval_every_epochs: Evaluate at every this many epoch ends (and the end).
       eval_ema: Evaluate the EMA params too (``"eval/ema/<name>"``, `evaluate`).
+      evaluations: More `pztrain.Evaluation` s, each named (``eval/<name>/...``).
       log_every: Steps between log points (a multiple of ``steps_per_call``).
       callbacks: `pztrain.Callback` s, run in this order at each point.
       loggers: Added to ``run_dir``'s `pztrain.JsonlLogger` (``[]``: none).
@@ -95,7 +93,8 @@ def fit(
       preempt_on: Signals that preempt the run (``[]``: none).
 
     Returns:
-      ``(state, history)``.
+      ``(state, history)``; Ctrl-C or ``preempt_on`` stops it before a call, saved
+      (``stop_reason``: "interrupted", "preempted"); errors keep ``err.train_state``.
 
     Raises:
       TypeError, ValueError: A bad argument or option (named in the message).
@@ -137,12 +136,12 @@ class _Run:
     info: LoopInfo
     history: History
     reporter: Reporter
-    evaluate: Callable[..., dict[str, float] | None]
+    evals: EvalRunner
     clock: Callable[[], float]  # the reporter's too
     peak_flops: float | None  # per device, as given to fit
     stops: StopFlag
     checkpoints: Checkpoints | None
-    owed_eval: tuple[int, int] | None  # (step, epoch) a stop left unevaluated
+    owed_eval: tuple | None  # (step, epoch[, names]) a stop left unevaluated
 
     @classmethod
     def wire(cls, args: FitArguments, schedule: Schedule, stops: StopFlag) -> _Run:
@@ -152,6 +151,7 @@ class _Run:
         ckpts = [] if args.checkpoints is None else [args.checkpoints]
         hooks = Hooks([*bar, *args.callbacks, RecordLog(history, loggers), *ckpts])
         clock = time.perf_counter
+        reporter = Reporter(hooks, clock, args.state, schedule.start)
         return cls(
             train_step=args.train_step,
             source=_source(args, schedule),
@@ -159,13 +159,8 @@ class _Run:
             hooks=hooks,
             info=_info(args, schedule),
             history=history,
-            reporter=Reporter(hooks, clock, args.state, schedule.start),
-            evaluate=functools.partial(
-                evaluate_until,
-                eval_step=args.eval_step,
-                data=args.eval_data,
-                ema="both" if args.eval_ema else False,
-            ),
+            reporter=reporter,
+            evals=EvalRunner(args.evaluations, schedule, reporter, stops),
             clock=clock,
             peak_flops=args.peak_flops,
             stops=stops,
@@ -173,19 +168,11 @@ class _Run:
             owed_eval=None if args.checkpoints is None else args.checkpoints.owed_eval,
         )
 
-    def evaluation(self, state: TrainState, step: int, epoch: int):
-        """Evaluates ``state`` and runs the eval hooks: ``(state, stop)``. An
-        evaluation that a stop skips or cuts short is owed (`Reporter.owed`)."""
-        flag = self.stops
-        values = None if flag.stopped else self.evaluate(state, flag=flag)
-        return self.reporter.evaluation(state, values, step, epoch)
-
     def owed_evaluation(self, state: TrainState) -> tuple[TrainState, Stop | None]:
-        """The evaluation of the start step that a stop left undone, and the
+        """The evaluations of the start step that a stop left undone, and the
         end of its point."""
-        step, epoch = self.owed_eval
-        state, stop = self.evaluation(state, step, epoch)
-        return _first(stop, *self.hooks.run("on_point_end", state, step))
+        state, stop = self.evals.owed(state, self.owed_eval)
+        return _first(stop, *self.hooks.run("on_point_end", state, self.owed_eval[0]))
 
     def stopped(self, state: TrainState, step: int) -> None:
         """After a stop by a signal at ``step``: its checkpoint (synchronous,
@@ -203,12 +190,11 @@ def _train(state: TrainState, run: _Run) -> TrainState:
     signal ends it like a `Stop`, then saves; an error keeps the newest state."""
     s, hooks, reporter, flag = run.schedule, run.hooks, run.reporter, run.stops
     step, epoch, sums, stop = s.start, s.epoch_at(s.start), None, None
-    last_log = last_eval = step
+    last_log = step
     try:
         state, stop = hooks.run("on_train_start", state, run.info)
         if run.owed_eval is not None:
             state, stop = _first(stop, *run.owed_evaluation(state))
-            last_eval = step
         wish = hooks.advance(step, run.clock())
         while stop is None and not s.done(step, epoch):
             ran, stop_at = 0, s.next_point(step, wish)
@@ -226,9 +212,8 @@ def _train(state: TrainState, run: _Run) -> TrainState:
             ended = s.ends_epoch(step, epoch, run.source.ended_pass)
             if ended:
                 state, stop = _first(stop, *hooks.run("on_epoch_end", state, epoch))
-            if s.evaluates_at(step, ended, epoch):
-                state, stop = _first(stop, *run.evaluation(state, step, epoch))
-                last_eval = step
+            evals = run.evals.at_point(state, step, ended, epoch, stop)
+            state, stop = _first(stop, *evals)
             epoch = s.next_epoch(step, epoch) if ended else epoch
             stop = stop or _signalled(flag)  # one during this point: it ends below
             if stop is None and not s.done(step, epoch):  # the last point ends below
@@ -237,8 +222,8 @@ def _train(state: TrainState, run: _Run) -> TrainState:
             state, stop = _first(stop, *reporter.log(state, sums, step, epoch))
         state, stop = _first(stop, *reporter.flush(state))
         at_end = stop is None or (flag.stopped and s.done(step, epoch))
-        if at_end and s.evaluates and last_eval != step:
-            state, stop = _first(stop, *run.evaluation(state, step, epoch))
+        if at_end:
+            state, stop = _first(stop, *run.evals.at_end(state, step, epoch))
         stop = stop or _signalled(flag)
         if flag.stopped:
             run.stopped(state, step)
@@ -332,9 +317,10 @@ def _schedule(state: TrainState, args: FitArguments) -> Schedule:
         start = int(state.step)
     k, per_epoch = args.train_step.steps_per_call, _epoch_length(args.train_data)
     end = run_end(start, k, per_epoch, args.num_steps, args.num_epochs)
+    cadences = tuple(cadence_of(ev) for ev in args.evaluations)
     schedule = Schedule(
-        start, end, k, args.log_every, args.eval_every, per_epoch, args.num_epochs,
-        args.evaluates, args.eval_every_epochs,
+        start, end, k, args.log_every, steps_per_epoch=per_epoch,
+        num_epochs=args.num_epochs, cadences=cadences,
     )  # fmt: skip
     idle = schedule.nothing_left()
     if idle is not None and not args.resume:
@@ -445,4 +431,5 @@ def _info(args: FitArguments, schedule: Schedule) -> LoopInfo:
         train_step=args.train_step,
         train_data=args.train_data,
         checkpoints=args.checkpoints,
+        evaluations=tuple(ev.name for ev in args.evaluations),
     )

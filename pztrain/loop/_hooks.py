@@ -17,6 +17,7 @@ import numpy as np
 from pztrain._tree import describe
 from pztrain.callbacks import Callback, record_only
 from pztrain.loggers import Logger
+from pztrain.loggers._media import log_media
 from pztrain.records import History, Stop
 from pztrain.state import TrainState
 
@@ -86,6 +87,12 @@ class Hooks:
                 error = error or e
         if error is not None:
             raise error
+
+    def log_media(self, step: int, media: dict[str, Any]) -> None:
+        """Hands an evaluation's text and images to the loggers (`RecordLog`)."""
+        for cb in self.callbacks:
+            if isinstance(cb, RecordLog):
+                cb.log_media(step, media)
 
     def advance(self, step: int, t: float) -> int | None:
         """``on_advance`` of every callback: the earliest step one asks for."""
@@ -213,6 +220,12 @@ class RecordLog(Callback):
         with jax.transfer_guard_device_to_host(self._guard):
             for lg in self.loggers:
                 lg.log_record(record)
+
+    def log_media(self, step: int, media: dict[str, Any]) -> None:
+        """Gives ``media`` to the loggers that record text and images
+        (`pztrain.loggers.log_media`; the others skip them with a warning)."""
+        with jax.transfer_guard_device_to_host(self._guard):
+            log_media(self.loggers, step, media)
 
     def on_train_end(self, state, history):
         """Closes every logger (all of them, even if one raises)."""

@@ -81,7 +81,7 @@ class Reporter:
         self.batch_size: int | None = None
         self.flops_per_step: float | None = None  # from the compiled step
         self.peak_flops: float | None = None  # all devices together, per second
-        self.owed: tuple[int, int] | None = None  # see evaluation
+        self.owed: tuple | None = None  # see evaluation
 
     def note_batch(self, batch: Any, steps_per_call: int) -> None:
         """Takes the batch size (examples per step) from a batch's shapes (no
@@ -125,14 +125,25 @@ class Reporter:
         return (state, None) if point is None else self._emit(state, point)
 
     def evaluation(
-        self, state: TrainState, values: dict[str, float] | None, step: int, epoch: int
+        self,
+        state: TrainState,
+        values: dict[str, float] | None,
+        step: int,
+        epoch: int,
+        owed: tuple | None = None,
+        media: dict[str, Any] | None = None,
     ) -> tuple[TrainState, Stop | None]:
-        """An eval point, after the train records before it. ``values=None``:
-        an evaluation that a stop skipped or cut short, owed (``owed`` holds
-        its step and epoch; no record, no hooks)."""
+        """An eval point, after the train records before it: one record of
+        ``values`` (none if empty) and ``media`` for the loggers. ``owed``:
+        the evaluations a stop skipped or cut short (``(step, epoch)``, all
+        of them, or ``(step, epoch, names)``), kept in ``owed`` for the
+        checkpoint; ``values=None`` alone means all of them."""
         state, stop = self.flush(state)
-        if values is None:
-            self.owed = (step, epoch)
+        if owed is not None or values is None:
+            self.owed = owed or (step, epoch)
+        if media:
+            self.hooks.log_media(step, media)
+        if not values:
             return state, stop
         record = self._record("eval", step, epoch, values, self.clock())
         return _first(stop, *self.hooks.run("on_eval_end", state, record))

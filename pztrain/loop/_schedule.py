@@ -9,8 +9,35 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from typing import NamedTuple
 
-__all__ = ["Schedule", "check_eval_every_epochs", "run_end"]
+__all__ = ["Cadence", "Schedule", "check_eval_every_epochs", "run_end"]
+
+
+class Cadence(NamedTuple):
+    """When one evaluation runs (see `pztrain.Evaluation`).
+
+    Attributes:
+      name: The evaluation's name (``""``: the unnamed one of ``eval_step=``).
+      every: Steps between runs, or ``None``.
+      every_epochs: Epoch ends between runs, or ``None``. With neither, it runs
+        at each epoch end.
+      at_end: Whether it also runs at the end (unless it just ran there).
+    """
+
+    name: str
+    every: int | None = None
+    every_epochs: int | None = None
+    at_end: bool = True
+
+    def due(self, step: int, ended_epoch: bool, epoch: int) -> bool:
+        """Whether it runs at ``step`` (``ended_epoch``: that step ended
+        ``epoch``; epochs counted from 1 for ``every_epochs``)."""
+        if self.every is not None:
+            return step % self.every == 0
+        if ended_epoch and self.every_epochs:
+            return (epoch + 1) % self.every_epochs == 0
+        return ended_epoch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +56,9 @@ class Schedule:
       evaluates: Whether the run evaluates.
       eval_every_epochs: Evaluate at the end of every this many epochs
         (instead of each epoch end; ``eval_every`` then is ``None``).
+      cadences: One `Cadence` per evaluation, in the order they run (if
+        given, ``eval_every``, ``eval_every_epochs`` and ``evaluates`` are
+        not read: ``evaluates`` is then whether there is one).
 
     Example:
       >>> s = Schedule(start=0, end=10, steps_per_call=1, log_every=4,
@@ -48,6 +78,13 @@ class Schedule:
     num_epochs: int | None = None
     evaluates: bool = False
     eval_every_epochs: int | None = None
+    cadences: tuple[Cadence, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.cadences is None:  # the single evaluation of eval_every=...
+            one = Cadence("", self.eval_every, self.eval_every_epochs)
+            object.__setattr__(self, "cadences", (one,) if self.evaluates else ())
+        object.__setattr__(self, "evaluates", bool(self.cadences))
 
     @property
     def end_step(self) -> int | None:
@@ -58,7 +95,9 @@ class Schedule:
         """The next step after ``step`` where the host has work: a log point,
         an evaluation, an epoch end, the end, or ``wish`` (a hook's request)."""
         points = [self.end, _next_multiple(step, self.log_every)]
-        for every in (self.eval_every, self.steps_per_epoch):
+        everies = {c.every for c in self.cadences}
+        everies |= {self.eval_every, self.steps_per_epoch}
+        for every in everies:
             if every:
                 points.append(_next_multiple(step, every))
         if wish is not None and wish > step:
@@ -82,16 +121,44 @@ class Schedule:
         return ended_pass
 
     def evaluates_at(self, step: int, ended_epoch: bool, epoch: int = 0) -> bool:
-        """Whether to evaluate at ``step``: every ``eval_every``, else at the
-        end of ``epoch`` (of every ``eval_every_epochs``-th epoch, counted from 1).
+        """Whether any evaluation runs at ``step`` (see `due_at`)."""
+        return bool(self.due_at(step, ended_epoch, epoch))
+
+    def due_at(self, step: int, ended_epoch: bool, epoch: int = 0) -> tuple[str, ...]:
+        """The evaluations that run at ``step``, in order: each every its
+        ``every`` steps, else at the end of ``epoch`` (of every
+        ``every_epochs``-th epoch, counted from 1).
+
+        Example:
+          >>> s = Schedule(0, 12, 1, 4, steps_per_epoch=6, cadences=(
+          ...     Cadence("val", every=4), Cadence("test", at_end=True),
+          ...     Cadence("slow", every_epochs=2, at_end=False)))
+          >>> s.due_at(4, False), s.due_at(6, True, 0), s.due_at(12, True, 1)
+          (('val',), ('test',), ('val', 'test', 'slow'))
+          >>> s.due_at_end(12, ran={"val": 12, "slow": 12})
+          ('test',)
         """
-        if not self.evaluates:
-            return False
-        if self.eval_every is not None:
-            return step % self.eval_every == 0
-        if ended_epoch and self.eval_every_epochs:
-            return (epoch + 1) % self.eval_every_epochs == 0
-        return ended_epoch
+        return tuple(c.name for c in self.cadences if c.due(step, ended_epoch, epoch))
+
+    def due_at_end(self, step: int, ran: dict[str, int]) -> tuple[str, ...]:
+        """The evaluations that run at the end ``step``: those ``at_end`` that
+        did not run at it (``ran``: name → the step it last ran at)."""
+        return tuple(
+            c.name for c in self.cadences if c.at_end and ran.get(c.name) != step
+        )
+
+    def owed_at(self, step: int, epoch: int) -> tuple[str, ...]:
+        """The evaluations a stop left owed at ``step`` when the checkpoint
+        does not name them (written before evaluations had names, or all of
+        them owed): those due there (at an epoch end, if epochs are unknown;
+        at the end, the ``at_end`` ones too), else all of them."""
+        spe = self.steps_per_epoch
+        ended = step > 0 and step % spe == 0 if spe else True
+        due = set(self.due_at(step, ended, epoch))
+        if step >= self.end:
+            due |= {c.name for c in self.cadences if c.at_end}
+        names = tuple(c.name for c in self.cadences)
+        return tuple(n for n in names if n in due) or names
 
     def nothing_left(self) -> str | None:
         """Why a run has nothing to do (its total already reached), else ``None``.
