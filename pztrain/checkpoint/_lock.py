@@ -30,7 +30,7 @@ import jax
 
 from pztrain.checkpoint._orbax import all_agree
 
-__all__ = ["LOCK_NAME", "DirectoryInUseError", "DirectoryLock", "locked"]
+__all__ = ["LOCK_NAME", "DirectoryInUseError", "DirectoryLock", "lock_holder", "locked"]
 
 LOCK_NAME = ".pztrain.lock"
 
@@ -39,12 +39,15 @@ class DirectoryInUseError(RuntimeError):
     """Another run holds the lock of a checkpoint or run directory.
 
     Example:
-      >>> import tempfile
-      >>> with tempfile.TemporaryDirectory() as d, DirectoryLock(d):  # a run's
+      >>> import tempfile; from pztrain import Checkpoints, DirectoryInUseError
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     run = Checkpoints(d)
+      ...     run.store.open()  # as fit does at a run's start: the directory locked
       ...     try:
-      ...         DirectoryLock(d).acquire()  # a second run, in the same directory
+      ...         Checkpoints(d).store.open()  # a second run, in the same directory
       ...     except DirectoryInUseError as e:
       ...         print(e)  # doctest: +ELLIPSIS
+      ...     run.store.close()
       /... is in use by another run: this process (...) on host ...
     """
 
@@ -159,6 +162,22 @@ def locked(*directories: str | os.PathLike | None) -> Iterator[None]:
                 "run (its error names the holder)."
             )
         yield
+
+
+def lock_holder(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The record of the run that holds ``directory``'s lock (host, pid,
+    start, command), or ``None`` if no run holds it, read without taking the
+    lock (a reader must never make a starting run fail). A run killed without
+    cleaning up leaves its lock file: it reads as held."""
+    path = Path(directory).absolute() / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        return _read(fd) or {}
+    finally:
+        os.close(fd)
 
 
 def _holder_record(fd: int, patience: float = 1.0) -> dict[str, Any] | None:

@@ -34,6 +34,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "check_json",
+    "checkpoint_steps",
     "check_params",
     "check_state",
     "checkpoint_dir",
@@ -53,7 +54,7 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt, or does not fit the target.
 
     Example:
-      >>> import tempfile, jax.numpy as jnp
+      >>> import tempfile, jax.numpy as jnp; from pztrain import CheckpointError
       >>> from pztrain.checkpoint import load_params, save_params
       >>> with tempfile.TemporaryDirectory() as d:
       ...     path = save_params(d + "/ckpt", {"w": jnp.ones(2)})
@@ -73,7 +74,7 @@ class CheckpointMismatchError(CheckpointError):
     nothing) instead of skipping it.
 
     Example:
-      >>> import tempfile, jax.numpy as jnp
+      >>> import tempfile, jax.numpy as jnp; from pztrain import CheckpointMismatchError
       >>> from pztrain.checkpoint import load_params, save_params
       >>> with tempfile.TemporaryDirectory() as d:
       ...     path = save_params(d + "/ckpt", {"w": jnp.ones(2)})
@@ -94,7 +95,7 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
       CheckpointError: if ``directory`` is not a complete pztrain checkpoint.
 
     Example:
-      >>> import tempfile, jax.numpy as jnp
+      >>> import tempfile, jax.numpy as jnp; from pztrain import read_metadata
       >>> from pztrain.checkpoint import save_params
       >>> with tempfile.TemporaryDirectory() as d:
       ...     path = save_params(d + "/ckpt", {"w": jnp.ones(2)}, metadata={"lr": 0.1})
@@ -206,16 +207,27 @@ def checkpoint_dir(directory: str | os.PathLike) -> Path:
         raise CheckpointError(f"No checkpoint at {path}: the directory does not exist.")
     if (path / "meta").is_dir():
         return path
-    steps = [
-        int(p.name)
-        for p in path.iterdir()
-        if p.name.isdigit() and (p / "meta").is_dir()
-    ]
+    steps = checkpoint_steps(path)
     if steps:
         return path / str(max(steps))
     raise CheckpointError(
         f"{path} is not a pztrain checkpoint: it has no 'meta' item and no numbered "
         "step directories. Pass the directory that save_params/save_state wrote."
+    )
+
+
+def checkpoint_steps(directory: str | os.PathLike) -> list[int]:
+    """The steps of the complete checkpoints in a `Checkpoints` directory, in
+    order, read from its listing alone (no lock, no orbax manager: a finished
+    save is renamed into place whole, so a ``<step>/meta`` directory is
+    complete). ``[]`` if the directory does not exist."""
+    path = Path(directory)
+    if not path.is_dir():
+        return []
+    return sorted(
+        int(p.name)
+        for p in path.iterdir()
+        if p.name.isdigit() and (p / "meta").is_dir()
     )
 
 

@@ -1,0 +1,283 @@
+"""`evaluate_checkpoints`: an evaluation job beside training.
+
+On a cluster the usual layout is a training job plus an evaluation job that
+follows its checkpoint directory. The job reads checkpoints as they appear
+(never taking the training run's lock, never listing them through an orbax
+manager that would clean up a save in progress), evaluates each once, in step
+order, with named `Evaluation` s, and logs each as one eval record in its own
+run directory. Its log says what is done: started again, it skips the steps
+it has logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from pztrain.checkpoint import CheckpointError, load_params, load_state
+from pztrain.checkpoint._lock import lock_holder, locked
+from pztrain.checkpoint._metadata import checkpoint_steps
+from pztrain.loggers import JsonlLogger, Logger, log_media
+from pztrain.loop._evaluations import Evaluation, check_evaluations, evaluation_values
+from pztrain.loop._signals import stop_signals
+from pztrain.records import History, read_jsonl
+from pztrain.state import TrainState
+from pztrain.state._state import check_state
+
+__all__ = ["evaluate_checkpoints"]
+
+
+def evaluate_checkpoints(
+    directory: str | os.PathLike,
+    like: TrainState,
+    evaluations: Sequence[Evaluation],
+    *,
+    run_dir: str | os.PathLike,
+    loggers: Sequence[Logger] = (),
+    follow: bool = True,
+    timeout: float = 3600.0,
+    poll: float = 10.0,
+    priority: int | None = 19,
+) -> History:
+    """Evaluates each checkpoint of a run once, in step order, as it appears.
+
+    Run beside training (another process or machine), it reads checkpoints
+    without the run's lock and logs one eval record per step, named as `fit`
+    names them (``eval/<name>/<metric>``), to ``run_dir`` and ``loggers``
+    (text and images too). Run again, it skips the steps it logged. The
+    evaluations' cadences are not used; their ``ema`` is.
+
+    Args:
+      directory: The run's `pztrain.Checkpoints` directory (it may not exist yet).
+      like: A state of the run's structure, as for `pztrain.load_state`.
+      evaluations: The `pztrain.Evaluation` s to run on each checkpoint.
+      run_dir: The job's own directory (log, lock): not ``directory``.
+      loggers: More loggers, besides ``run_dir``'s ``metrics.jsonl``.
+      follow: While the run holds ``directory``'s lock, wait for new checkpoints.
+      timeout: Seconds without a new checkpoint after which it ends.
+      poll: Seconds between two looks at ``directory``.
+      priority: Lower this process's CPU priority by this much (nice; at 19
+        Linux's idle class too; ``None``: not), so training keeps its speed.
+
+    Returns:
+      A `pztrain.History` of what it logged (``stop_reason``: a timeout).
+
+    Raises:
+      ValueError, TypeError: a bad argument. TimeoutError: no checkpoint came.
+      KeyboardInterrupt: Ctrl-C (what is logged stays; run again, it goes on).
+
+    Example:
+      >>> import tempfile, jax, jax.numpy as jnp, numpy as np, optax, pztrain
+      >>> def loss_fn(*, model, state, rng, x):
+      ...     return jnp.mean((x - model["w"]) ** 2), state, {}
+      >>> state = pztrain.TrainState.initial_state(
+      ...     {"w": jnp.zeros(())}, optax.sgd(0.1), jax.random.key(0))
+      >>> d, data = tempfile.mkdtemp(), pztrain.ArrayLoader({"x": np.ones(8)}, 4)
+      >>> _ = pztrain.fit(state, pztrain.build_train_step(loss_fn), data,
+      ...     num_steps=4, progress=False, loggers=[],
+      ...     checkpoints=pztrain.Checkpoints(d + "/ckpt", every_steps=2))
+      >>> evals = [pztrain.Evaluation("w", lambda s: {"w": s.params["w"]})]
+      >>> h = pztrain.evaluate_checkpoints(d + "/ckpt", state, evals,
+      ...     run_dir=d + "/eval_job", follow=False, priority=None)
+      >>> [(r["step"], round(r["metrics"]["w/w"], 3)) for r in h.records]
+      [(2, 0.36), (4, 0.59)]
+    """
+    directory, run_dir = _check_job(directory, like, run_dir, poll, timeout)
+    evaluations = check_evaluations(list(evaluations), None, like, 1)
+    if priority is not None:
+        lower_priority(priority)
+    return _run(directory, like, evaluations, run_dir, loggers, follow, timeout, poll)
+
+
+def _run(directory, like, evaluations, run_dir, loggers, follow, timeout, poll):
+    """The job, on checked arguments: its log and lock, then `_follow`."""
+    history = History()
+    with locked(run_dir), stop_signals() as flag:
+        done = _logged_steps(run_dir)
+        log = JsonlLogger(run_dir, resume_step=max(done, default=None))
+        outputs = [log, *loggers]
+        job = _Job(directory, like, evaluations, outputs, history, flag, done)
+        try:
+            history.stop_reason = _follow(job, follow, timeout, poll)
+        finally:
+            for lg in outputs:
+                lg.close()
+    return history
+
+
+class _Job:
+    """One evaluation job's pieces: what it reads, runs and writes."""
+
+    def __init__(self, directory, like, evaluations, loggers, history, flag, done):
+        self.directory, self.like, self.evaluations = directory, like, evaluations
+        self.loggers, self.history, self.flag = loggers, history, flag
+        self.done = set(done)
+        self.started = time.time()
+        self.params_only = params_suffice(like, evaluations)
+
+    def new_steps(self) -> list[int]:
+        """The complete checkpoints not yet evaluated, in step order."""
+        return [s for s in checkpoint_steps(self.directory) if s not in self.done]
+
+    def evaluate(self, step: int) -> bool:
+        """Evaluates and logs checkpoint ``step``; ``False`` if it is gone
+        or incomplete (deleted by the run's retention while read: skipped)."""
+        path = self.directory / str(step)
+        try:
+            state = self.read(path, step)
+        except (CheckpointError, FileNotFoundError) as e:
+            if path.exists():
+                raise
+            warnings.warn(
+                f"evaluate_checkpoints: skipped step {step}: {e}", stacklevel=3
+            )
+            return False
+        metrics, media = {}, {}
+        for ev in self.evaluations:
+            if self.flag.requested:
+                raise KeyboardInterrupt(_interrupted(step))
+            values = evaluation_values(ev, state, step, self.flag)
+            if values is None:
+                raise KeyboardInterrupt(_interrupted(step))
+            prefix = f"{ev.name}/" if ev.name else ""
+            metrics.update({prefix + k: v for k, v in values[0].items()})
+            media.update({f"eval/{prefix}{k}": v for k, v in values[1].items()})
+        self._log(step, metrics, media)
+        return True
+
+    def read(self, path: Path, step: int) -> TrainState:
+        """Checkpoint ``step``: its params alone when they suffice (a fifth
+        of the reading: no optimizer state), else the whole state."""
+        if not self.params_only:
+            return load_state(path, self.like)
+        state = load_params(path, self.like)
+        return state.replace(step=jnp.asarray(step, self.like.step.dtype))
+
+    def _log(self, step: int, metrics: dict, media: dict) -> None:
+        record = {
+            "step": step,
+            "epoch": None,  # a checkpoint does not record its epoch
+            "split": "eval",
+            "time": time.time() - self.started,
+            "metrics": metrics,
+        }
+        self.history.records.append(record)
+        for lg in self.loggers:
+            lg.log_record(record)
+        if media:
+            log_media(self.loggers, step, media)
+        self.done.add(step)
+
+
+def params_suffice(like: TrainState, evaluations: Sequence[Evaluation]) -> bool:
+    """Whether a checkpoint's params (and step) are all its evaluations read:
+    none asks for the EMA (kept in the optimizer state), the model keeps no
+    state (loss-function state, state variables) and ``like`` holds arrays
+    (its other parts stand in for the checkpoint's)."""
+    if any(ev.ema is not False for ev in evaluations):
+        return False
+    if jax.tree.leaves(like.loss_fn_state) or jax.tree.leaves(
+        like.model_without_params
+    ):
+        return False
+    return all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(like))
+
+
+def _follow(job: _Job, follow: bool, timeout: float, poll: float) -> str | None:
+    """Evaluates new checkpoints until the run ends (its lock is gone and no
+    new checkpoint is left) or none comes for ``timeout`` seconds."""
+    waited_since, said = time.monotonic(), False
+    while True:
+        steps = job.new_steps()
+        for step in steps:
+            job.evaluate(step)
+        if steps:
+            waited_since = time.monotonic()
+            continue  # more may have come while evaluating
+        running = lock_holder(job.directory) is not None
+        if not follow or (not running and job.directory.exists()):
+            if job.new_steps():
+                continue  # saved just before the run ended
+            return None
+        if time.monotonic() - waited_since > timeout:
+            return _timed_out(job, timeout)
+        if not said and jax.process_index() == 0:
+            print(f"evaluate_checkpoints: waiting for checkpoints in {job.directory}")
+            said = True
+        time.sleep(poll)
+        if job.flag.requested:
+            raise KeyboardInterrupt("evaluate_checkpoints was interrupted waiting.")
+
+
+def lower_priority(by: int) -> None:
+    """Lowers the CPU priority of this process by ``by`` (nice), every thread
+    of it: on Linux a thread's niceness is its own, and the threads that
+    compute (XLA's) started with JAX, before this call. At 19 (the lowest),
+    the threads also take Linux's idle scheduling class: they run only on
+    CPU time that no other process wants."""
+    os.nice(by)
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():  # elsewhere, nice is the process's
+        return
+    idle = by >= 19 and hasattr(os, "SCHED_IDLE")
+    for tid in tasks.iterdir():
+        with contextlib.suppress(OSError, ValueError):  # a thread that has ended
+            now = os.getpriority(os.PRIO_PROCESS, int(tid.name))
+            os.setpriority(os.PRIO_PROCESS, int(tid.name), min(19, max(now, 0) + by))
+            if idle:
+                os.sched_setscheduler(int(tid.name), os.SCHED_IDLE, os.sched_param(0))
+
+
+def _timed_out(job: _Job, timeout: float) -> str:
+    """The stop reason after ``timeout`` seconds with no new checkpoint; an
+    error if the job never saw one."""
+    if not job.done:
+        raise TimeoutError(
+            f"evaluate_checkpoints: no checkpoint appeared in {job.directory} within "
+            f"{timeout:g} s. Is it the training run's Checkpoints directory? Pass "
+            "a longer timeout= to wait longer."
+        )
+    return f"no new checkpoint within {timeout:g} s"
+
+
+def _interrupted(step: int) -> str:
+    return (
+        f"evaluate_checkpoints was interrupted evaluating step {step} (not "
+        "logged); started again with the same run_dir, it goes on from there."
+    )
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    """The steps the job's log holds eval records of (none if new)."""
+    if not (run_dir / "metrics.jsonl").exists():
+        return []
+    return sorted({r["step"] for r in read_jsonl(run_dir) if r.get("split") == "eval"})
+
+
+def _check_job(directory, like, run_dir, poll, timeout) -> tuple[Path, Path]:
+    check_state(like, "evaluate_checkpoints(directory, like, ...)")
+    directory, run_dir = Path(directory).absolute(), Path(run_dir).absolute()
+    if run_dir == directory:
+        raise ValueError(
+            f"evaluate_checkpoints: run_dir is the checkpoint directory {directory}; "
+            "the job logs to its own directory (and must not take the training "
+            f"run's lock): pass e.g. run_dir={str(directory.parent / 'eval_job')!r}."
+        )
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(
+            f"evaluate_checkpoints(run_dir={str(run_dir)!r}) is a file; pass a "
+            "directory for the job's log."
+        )
+    for name, value in (("poll", poll), ("timeout", timeout)):
+        if not isinstance(value, int | float) or value < 0:
+            raise ValueError(
+                f"evaluate_checkpoints: {name} must be >= 0; got {value!r}."
+            )
+    return directory, run_dir
