@@ -2,14 +2,17 @@
 
 Build with ``sphinx-build -W -b html docs docs/_build/html`` (``pip install -e
 ".[docs]"`` first). The notebooks of ``notebooks/`` are copied into
-``docs/notebooks/`` (git-ignored) and executed by myst-nb through jupyter-cache:
-a rebuild with unchanged notebooks runs none of them.
+``docs/notebooks/`` (git-ignored) and executed by myst-nb through jupyter-cache,
+as are the guides (MyST-NB text notebooks): a rebuild with unchanged pages and an
+unchanged ``pztrain`` runs none of them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
+import os
 import pkgutil
 import shutil
 import sys
@@ -18,6 +21,7 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))  # this checkout's pztrain, installed or not
+sys.path.insert(0, str(DOCS / "_ext"))  # the API reference's extensions
 
 
 def _copy_notebooks() -> None:
@@ -37,31 +41,52 @@ def _copy_notebooks() -> None:
 _copy_notebooks()
 
 import pztrain  # noqa: E402
+import pztrain_api  # noqa: E402
 
 project = "pztrain"
 author = "pztrain contributors"
 copyright = "pztrain contributors"  # noqa: A001
-release = pztrain.__version__
+release = version = pztrain.__version__
 
 extensions = [
     "myst_nb",
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
+    "pztrain_api",  # each object once, on its home module's page; summary tables
+    "pztrain_autolink",  # the guides' `pztrain.fit`, `TrainState`: links
+    "sphinx_copybutton",
 ]
 
-exclude_patterns = ["_build", "**.ipynb_checkpoints", "jupyter_execute"]
+exclude_patterns = ["_build", "_tools", "**.ipynb_checkpoints", "jupyter_execute"]
 suppress_warnings = ["mystnb.unknown_mime_type"]  # treescope's and tqdm's widget JSON
 
 # Notebooks: executed at build time through jupyter-cache (docs/_build/.jupyter_cache),
 # each in a temporary working directory; a cell that raises fails the build, naming
 # the notebook and the cell.
 nb_execution_mode = "cache"
+
+
+def _source_hash() -> str:
+    """A short hash of pztrain's sources: a page's cached outputs are reused only
+    when neither its code nor the library changed (jupyter-cache keys on code)."""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "pztrain").rglob("*.py")):
+        digest.update(path.relative_to(ROOT).as_posix().encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+nb_execution_cache_path = str(DOCS / "_build" / ".jupyter_cache" / _source_hash())
 nb_execution_timeout = 600
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_execution_in_temp = True
 nb_merge_streams = True
+# A tqdm widget saved by a run without a browser renders only where its script
+# loads from the web: the kernels the build starts draw text bars instead.
+os.environ.setdefault("PZTRAIN_PROGRESS", "text")
+# Plots shown in an article about 800 px wide: text that stays readable shrunk.
+os.environ.setdefault("MATPLOTLIBRC", str(DOCS / "_tools" / "matplotlibrc"))
 
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
@@ -73,8 +98,17 @@ autodoc_default_options = {"members": True, "show-inheritance": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
+# The copy button copies the code, without ">>> " and "... " prompts or outputs.
+copybutton_prompt_text = r">>> |\.\.\. "
+copybutton_prompt_is_regexp = True
+copybutton_selector = "div:not(.output) > div.highlight pre"  # code, not outputs
+
+# The page's contents lists a method under its class as `steps_per_epoch()`, not
+# `ArrayLoader.steps_per_epoch()`: the names fit the narrow column.
+toc_object_entries_show_parents = "hide"
+
 html_theme = "sphinx_book_theme"
-html_title = "pztrain"
+html_title = f"pztrain {version}"  # the version, atop every page
 html_static_path = ["_static"]
 html_css_files = ["wide.css"]
 html_theme_options = {
@@ -88,6 +122,8 @@ html_theme_options = {
 nitpicky = True
 nitpick_ignore_regex = [(r"py:.*", r"^(?!pztrain\b).*")]
 napoleon_use_ivar = True  # "Attributes:" as fields: NamedTuple fields documented once
+# A docstring's `name` is a reference: a pztrain name must resolve (docs/_ext/).
+default_role = "py:obj"
 
 
 def _attribute_doc(name: str, obj: object) -> list[str] | None:
@@ -112,39 +148,6 @@ def _constant_docstrings(app, what, name, obj, options, lines):
         lines[:] = _attribute_doc(name.rsplit(".", 1)[-1], obj) or []
 
 
-def _documented_home(app, env, node, contnode):
-    """``pztrain.step.TrainStep`` resolves to the one entry of that object
-    (``pztrain.TrainStep``): each object is documented once, under its first
-    public name."""
-    target = node.get("reftarget", "")
-    if node.get("refdomain") != "py" or not target.startswith("pztrain."):
-        return None
-    modname, _, attr = target.rpartition(".")
-    try:
-        obj = getattr(importlib.import_module(modname), attr)
-    except (ImportError, AttributeError):
-        return None
-    domain = env.get_domain("py")
-    for other in domain.objects:
-        if other == target or not other.startswith("pztrain."):
-            continue
-        mod2, _, attr2 = other.rpartition(".")
-        if attr2 != attr or mod2 not in sys.modules:
-            continue
-        if getattr(sys.modules[mod2], attr2, None) is obj:
-            node["reftarget"] = other
-            return domain.resolve_xref(
-                env,
-                node.get("refdoc"),
-                app.builder,
-                node["reftype"],
-                other,
-                node,
-                contnode,
-            )
-    return None
-
-
 def _public_modules() -> list[str]:
     """``pztrain`` and each of its modules with no ``_`` in its dotted name."""
     found = pkgutil.walk_packages(pztrain.__path__, "pztrain.")
@@ -159,8 +162,9 @@ pztrain_api_modules = _public_modules()
 def _missing_api_entries(app, env):
     """A warning (an error with ``-W``) for each name in the ``__all__`` of
     ``pztrain_api_modules`` that has no entry in the site: no autodoc directive of
-    that name or of another public name of the same object (documented once, under
-    its first public name), and, for a submodule, no ``automodule``."""
+    that name or of another public name of the same object (documented once, on
+    its home module's page: docs/_ext/pztrain_api.py), and, for a submodule, no
+    ``automodule``."""
     from sphinx.util import logging
 
     domain = env.get_domain("py")
@@ -178,10 +182,12 @@ def _missing_api_entries(app, env):
             else:
                 found = full in domain.objects or id(obj) in documented
             if not found:
-                page = f"api/{module}"
+                home = pztrain_api.home_name(obj) if not inspect.ismodule(obj) else None
+                entry = home or full  # documented on its home module's page
+                page = f"api/{entry.rpartition('.')[0]}"
                 logging.getLogger(__name__).warning(
                     f"{full} has no entry in the API reference: add '.. auto"
-                    f"{_directive(obj)}:: {full}' to docs/{page}.md (or "
+                    f"{_directive(obj)}:: {entry}' to docs/{page}.md (or "
                     "'.. automodule::' for a submodule)",
                     location=page if page in env.found_docs else None,
                     type="pztrain",
@@ -198,5 +204,4 @@ def _directive(obj: object) -> str:
 def setup(app):
     app.add_config_value("pztrain_api_modules", [], "env", types=frozenset({list}))
     app.connect("autodoc-process-docstring", _constant_docstrings)
-    app.connect("missing-reference", _documented_home)
     app.connect("env-check-consistency", _missing_api_entries)

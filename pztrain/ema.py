@@ -44,6 +44,8 @@ class NoEmaError(ValueError):
     """An EMA of the params was asked of a state (or checkpoint) that has none.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from pztrain.ema import ema_params_of, NoEmaError
       >>> import optax
       >>> try:
       ...     ema_params_of(optax.sgd(0.1).init({"w": jnp.zeros(2)}))
@@ -62,7 +64,7 @@ class EmaState(NamedTuple):
       ema_params: The EMA of the params, with the params' structure and dtypes.
 
     Example:
-      >>> import optax
+      >>> import optax, jax.numpy as jnp; from pztrain import with_ema
       >>> opt_state = with_ema(optax.sgd(0.1), decay=0.9).init({"w": jnp.ones(2)})
       >>> type(opt_state).__name__, int(opt_state.count), opt_state.ema_params
       ('EmaState', 0, {'w': Array([1., 1.], dtype=float32)})
@@ -77,6 +79,8 @@ def ema_decay(decay: float, count: jax.Array, warmup: bool) -> jax.Array:
     """The decay of the update after ``count`` updates (float32, traceable).
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from pztrain.ema import ema_decay
       >>> round(float(ema_decay(0.999, jnp.int32(0), warmup=True)), 6)
       0.1
       >>> round(float(ema_decay(0.999, jnp.int32(10**6), warmup=True)), 6)
@@ -116,7 +120,7 @@ def with_ema(
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
-      >>> from pztrain import TrainState
+      >>> from pztrain import TrainState, with_ema
       >>> tx = with_ema(optax.sgd(1.0), decay=0.5)
       >>> state = TrainState.initial_state({"w": jnp.zeros(2)}, tx, jax.random.key(0))
       >>> state = state.apply_gradients({"w": -jnp.ones(2)})  # params now 1.0
@@ -159,6 +163,9 @@ def ema_params_of(opt_state: Any) -> Any:
       ValueError: if it holds more than one.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from pztrain import with_ema
+      >>> from pztrain.ema import ema_params_of
       >>> import optax
       >>> tx = optax.chain(optax.clip(1.0), with_ema(optax.sgd(0.1), decay=0.9))
       >>> ema_params_of(tx.init({"w": jnp.ones(2)}))
@@ -182,6 +189,9 @@ def has_ema(opt_state: Any) -> bool:
     """Whether ``opt_state`` holds an `EmaState`.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from pztrain import with_ema
+      >>> from pztrain.ema import has_ema
       >>> import optax
       >>> params = {"w": jnp.ones(2)}
       >>> has_ema(with_ema(optax.sgd(0.1), 0.9).init(params))

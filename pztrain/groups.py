@@ -56,6 +56,7 @@ class GroupError(ValueError):
     """A parameter group rule that cannot be applied: names the label or param.
 
     Example:
+      >>> from pztrain.groups import group_optimizer, GroupError
       >>> import jax.numpy as jnp, optax
       >>> tx = group_optimizer({"embed": optax.sgd(0.1)}, [(r"^embed", "embed")])
       >>> try:
@@ -174,7 +175,7 @@ def labels(target: Any, rules: Rules, *, default: Any = "default") -> Any:
       UserWarning: naming a rule that matches no parameter.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax.numpy as jnp; from pztrain.groups import labels
       >>> params = {"embed": jnp.ones((4, 2)), "dense/w": jnp.ones((2, 2)),
       ...           "dense/bias": jnp.zeros(2)}
       >>> labels(params, [(r"^embed", "embed"), (r"bias$", "no_decay")])
@@ -191,7 +192,7 @@ def by_name(rules: Rules, *, default: Any = "default") -> Callable[[Any], Any]:
     written before the state exists. The rules are checked at once.
 
     Example:
-      >>> import jax, jax.numpy as jnp, optax
+      >>> import jax, jax.numpy as jnp, optax; from pztrain.groups import by_name
       >>> tx = optax.partition(
       ...     {"fast": optax.sgd(1.0), "slow": optax.sgd(0.5)},
       ...     by_name([(r"bias", "fast")], default="slow"))
@@ -232,6 +233,7 @@ def group_optimizer(
         parameters it labels), or a parameter with no label.
 
     Example:
+      >>> from pztrain.groups import group_optimizer
       >>> import jax, jax.numpy as jnp, optax
       >>> tx = group_optimizer(
       ...     {"embed": optax.adam(1e-4), "rest": optax.adam(1e-3)},
@@ -280,7 +282,7 @@ def frozen(
       rules: A regex or predicate, or a list of them: the frozen parameters.
 
     Example:
-      >>> import jax.numpy as jnp, optax
+      >>> import jax.numpy as jnp, optax; from pztrain.groups import frozen
       >>> tx = frozen(optax.adam(1e-3), r"^embed")
       >>> params = {"embed": jnp.ones((4, 2)), "w": jnp.ones((2, 2))}
       >>> import jax
@@ -304,7 +306,7 @@ def weight_decay_mask(exclude: Pattern = NO_DECAY) -> Callable[[Any], Any]:
     fewer than two dimensions.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax.numpy as jnp; from pztrain.groups import weight_decay_mask
       >>> mask = weight_decay_mask()
       >>> mask({"mlp/Linear.weights": jnp.ones((2, 2)),
       ...       "mlp/AddBias.bias": jnp.ones(2),

@@ -39,6 +39,7 @@ class LivePlot(Callback):
       draws: How many times it was drawn.
 
     Example:
+      >>> from pztrain.monitors import LivePlot
       >>> import matplotlib; matplotlib.use("Agg")
       >>> live = LivePlot(names=["loss"])
       >>> live.on_train_start(None, None)
@@ -142,7 +143,7 @@ class Profile(Callback):
     Example:
       Give it to ``fit(..., callbacks=[profile])``; here driven as `fit` does:
 
-      >>> import pathlib, tempfile
+      >>> import pathlib, tempfile; from pztrain.monitors import Profile
       >>> with tempfile.TemporaryDirectory() as d:
       ...     profile = Profile(start_step=2, num_steps=3, log_dir=d)
       ...     print(profile.on_advance(0, t=0.0))  # stop me at step 2

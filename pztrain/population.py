@@ -76,6 +76,7 @@ class PopulationError(ValueError):
     """Members that cannot form a population, or a member that is not there.
 
     Example:
+      >>> from pztrain import PopulationError, stack_members
       >>> import jax, jax.numpy as jnp, optax, pztrain
       >>> a = pztrain.TrainState.initial_state({"w": jnp.zeros(2)}, optax.sgd(0.1),
       ...                                      jax.random.key(0))
@@ -96,6 +97,7 @@ def population_size(state: TrainState) -> int | None:
     array, or on the ``uint32`` rows of legacy keys).
 
     Example:
+      >>> from pztrain import make_population, population_size
       >>> import jax, jax.numpy as jnp, optax, pztrain
       >>> def init(seed):
       ...     return pztrain.TrainState.initial_state(
@@ -121,6 +123,7 @@ def stack_members(states: Sequence[TrainState]) -> TrainState:
         differ from member 0's; the message names the member and the leaf.
 
     Example:
+      >>> from pztrain import stack_members
       >>> import jax, jax.numpy as jnp, optax, pztrain
       >>> states = [pztrain.TrainState.initial_state(
       ...     {"w": jnp.full(2, float(i))}, optax.sgd(0.1), jax.random.key(i))
@@ -198,6 +201,7 @@ def member(state: TrainState, i: int) -> TrainState:
         its members.
 
     Example:
+      >>> from pztrain import make_population, member
       >>> import jax, jax.numpy as jnp, optax, pztrain
       >>> def init(seed):
       ...     return pztrain.TrainState.initial_state(
@@ -224,6 +228,7 @@ def members(state: TrainState) -> list[TrainState]:
     """Every member of a population, in order (see `member`).
 
     Example:
+      >>> from pztrain import make_population, members
       >>> import jax, jax.numpy as jnp, optax, pztrain
       >>> def init(seed):
       ...     return pztrain.TrainState.initial_state(
@@ -274,6 +279,7 @@ def make_population(
       ValueError: for a hyperparameter the optimizer does not inject.
 
     Example:
+      >>> from pztrain import make_population
       >>> import jax, jax.numpy as jnp, optax, pztrain
       >>> def init(seed):
       ...     tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
@@ -303,6 +309,8 @@ def set_member_hyperparams(state: TrainState, **values: Any) -> TrainState:
     owns its arrays).
 
     Example:
+      >>> from pztrain import make_population
+      >>> from pztrain.population import set_member_hyperparams
       >>> import jax, jax.numpy as jnp, optax, pztrain
       >>> def init(seed):
       ...     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
@@ -345,6 +353,8 @@ def shard_members(state: TrainState, mesh: Mesh, axis: str = "members") -> Train
         multiple of the axis's size.
 
     Example:
+      >>> from pztrain import make_population
+      >>> from pztrain.population import shard_members
       >>> import jax, jax.numpy as jnp, optax, pztrain
       >>> def init(seed):
       ...     return pztrain.TrainState.initial_state(

@@ -109,7 +109,7 @@ class Policy:
       output_dtype: The dtype of the loss and aux metrics.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax.numpy as jnp; from pztrain.precision import Policy
       >>> policy = Policy.parse("params=float32,compute=bfloat16,output=float32")
       >>> policy == Policy(jnp.float32, jnp.bfloat16, jnp.float32)
       True
@@ -141,6 +141,7 @@ class Policy:
             that is not a floating-point dtype.
 
         Example:
+          >>> from pztrain.precision import Policy
           >>> Policy.parse("p=f32,c=bf16").output_dtype
           dtype('float32')
         """
@@ -267,7 +268,7 @@ def mixed_precision(
       >>> def loss_fn(*, model, state, rng, x, y):
       ...     loss = jnp.mean((x @ model["w"] - y) ** 2)
       ...     return loss, state, {"dtype_ok": loss.dtype == jnp.bfloat16}
-      >>> mp_loss = mixed_precision(loss_fn, "params=f32,compute=bf16,output=f32")
+      >>> mp_loss = pztrain.mixed_precision(loss_fn, "params=f32,compute=bf16")
       >>> state = pztrain.TrainState.initial_state(
       ...     {"w": jnp.zeros((3, 1))}, optax.sgd(0.1), jax.random.key(0))
       >>> step = pztrain.build_train_step(mp_loss)

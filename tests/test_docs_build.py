@@ -4,26 +4,35 @@
 jupyter-cache), renders the guides and the API reference, and checks every
 internal link and every reference to a pztrain name (``nitpicky``; other
 libraries' names are not checked), and that every public name has an entry.
-Small sites built with the same ``conf.py`` show that a notebook that raises, a
-broken internal link, a reference to a name without an entry and a public name
-without one each fail the build, naming what is wrong.
+Then every link of the built pages to a page or an anchor of the site lands
+(``docs/_ext/pztrain_links.py``: the source pages' "[docs]" links too), the API
+reference documents each object once, on its home module's page, and the guides
+link the names they use. Small sites built with the same ``conf.py`` show that a
+notebook that raises, a broken internal link, a reference to a name without an
+entry and a public name without one each fail the build, naming what is wrong.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+from html import unescape
 from pathlib import Path
 
 import nbformat
 import pytest
 from ipykernel.kernelspec import write_kernel_spec
 
+import pztrain
+
 pytestmark = pytest.mark.slow  # notebooks run, a kernel per notebook
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+from pztrain_links import broken_links  # noqa: E402
 
 
 @pytest.fixture
@@ -63,8 +72,51 @@ def test_the_site_builds(tmp_path, env):
         assert 'class="output' in html, f"{notebook.name}: no outputs on its page"
     summary = (out / "notebooks" / "01_functional_loop.html").read_text()
     assert "treescope" in summary  # treescope's interactive HTML is on the page
-    api = (out / "api" / "pztrain.html").read_text()
-    assert 'id="pztrain.TrainState"' in api and 'id="pztrain.fit"' in api
+    _the_reference_links(out)
+    _pages_show_what_they_say(out)
+
+
+def _pages_show_what_they_say(out: Path) -> None:
+    """The guides show their outputs; a progress bar is text; the pages a user
+    looks for are there, the version atop each, a copy button on code."""
+    for guide in ["quickstart", "checkpoints", "populations"]:
+        html = (out / "guides" / f"{guide}.html").read_text()
+        assert "cell_output" in html, f"guides/{guide}: no outputs on its page"
+    fit_page = unescape((out / "notebooks" / "02_fit_and_plots.html").read_text())
+    assert "widget-view+json" not in fit_page  # a widget is an empty box offline
+    assert re.search(r"100%\|█+\| (\d+)/\1 \[[\d:]+<[\d:]+, +[\d.]+step/s", fit_page), (
+        "notebook 02 shows no text progress bar"
+    )
+    install = unescape(re.sub(r"<[^>]+>", "", (out / "installation.html").read_text()))
+    assert "pip install -e ." in install
+    assert "tensorboardX" in install  # each extra, with what it brings
+    changelog = (out / "changelog.html").read_text()
+    assert "Unreleased" in changelog
+    index = (out / "index.html").read_text()
+    assert f"pztrain {pztrain.__version__}" in index
+    assert "copybutton.js" in index
+
+
+def _the_reference_links(out: Path) -> None:
+    """Each object's entry is on its home module's page, the top-level page a
+    table of links to them; the guides link the names they use; no internal link
+    of the site (the source pages' "[docs]" links included) is broken."""
+    top = (out / "api" / "pztrain.html").read_text()
+    assert 'href="pztrain.state.html#pztrain.state.TrainState"' in top
+    assert 'id="pztrain.TrainState"' not in top  # documented once, at home
+    state = (out / "api" / "pztrain.state.html").read_text()
+    assert 'id="pztrain.state.TrainState"' in state
+    fit_guide = (out / "guides" / "fit.html").read_text()
+    assert 'href="../api/pztrain.loop.html#pztrain.loop.fit"' in fit_guide
+    for page in sorted((out / "api").glob("*.html")):  # no private names shown
+        html = page.read_text()
+        text = re.sub(r"<[^>]+>", "", html[html.find("<main") : html.find("</main>")])
+        private = set(re.findall(r"\bpztrain(?:\.\w+)*\._[a-z]\w*", text))
+        assert not private, f"{page.name} shows private names: {sorted(private)}"
+    broken = broken_links(out)
+    assert not broken, f"{len(broken)} broken internal links:\n" + "\n".join(
+        broken[:50]
+    )
 
 
 def _small_site(tmp_path: Path, index: str, notebook_cells=None) -> Path:
@@ -74,6 +126,7 @@ def _small_site(tmp_path: Path, index: str, notebook_cells=None) -> Path:
     (site / "notebooks").mkdir()
     shutil.copyfile(ROOT / "docs" / "conf.py", site / "docs" / "conf.py")
     shutil.copytree(ROOT / "docs" / "_static", site / "docs" / "_static")
+    shutil.copytree(ROOT / "docs" / "_ext", site / "docs" / "_ext")
     (site / "docs" / "index.md").write_text(index)
     if notebook_cells is not None:
         nb = nbformat.v4.new_notebook()
@@ -104,15 +157,21 @@ def test_a_broken_internal_link_fails_the_build(tmp_path, env):
 
 
 def test_a_reference_without_an_api_entry_fails_the_build(tmp_path, env):
-    page = "# Site\n\n{py:func}`pztrain.no_such_function` and {py:class}`jax.Array`.\n"
+    page = (
+        "# Site\n\n{py:func}`pztrain.no_such_function` and {py:class}`jax.Array`; "
+        "{py:obj}`TrainState.no_such_method`.\n"
+    )
     docs = _small_site(tmp_path, page)
     run = sphinx(docs, tmp_path / "out", env)
     assert run.returncode != 0
     assert "pztrain.no_such_function" in run.stderr
+    assert "`TrainState.no_such_method` names pztrain.state.TrainState" in run.stderr
     assert "jax.Array" not in run.stderr  # other libraries' names are not checked
 
 
 EMA_ENTRIES = """# Site
+
+Average with `pztrain.with_ema` or `ema_decay()`; `state` and `with_ema_x` stay code.
 
 ```{eval-rst}
 .. automodule:: pztrain.ema
@@ -126,16 +185,17 @@ EMA_ENTRIES = """# Site
 
 .. autofunction:: pztrain.ema.ema_params_of
 
-.. autofunction:: pztrain.with_ema
+.. autofunction:: pztrain.ema.with_ema
 ```
 """
 
 
 def test_a_public_name_without_an_api_entry_fails_the_build(tmp_path, env):
-    """pztrain.ema's names but ``has_ema``: ``with_ema`` has its entry under its
-    first public name (``pztrain.with_ema``), ``has_ema`` none. With it, the same
-    site builds."""
-    only_ema = ("-D", "pztrain_api_modules=pztrain.ema")
+    """pztrain.ema's names but ``has_ema``: ``with_ema`` has its entry on its home
+    page (``pztrain.ema.with_ema``, also ``pztrain.with_ema``), ``has_ema`` none.
+    With it, the same site builds, and its page's literals naming them are links
+    (the docstrings' names are not references here: most have no entry)."""
+    only_ema = ("-D", "pztrain_api_modules=pztrain.ema", "-D", "default_role=")
     docs = _small_site(tmp_path / "without", EMA_ENTRIES)
     run = sphinx(docs, tmp_path / "out", env, *only_ema)
     assert run.returncode != 0
@@ -147,3 +207,12 @@ def test_a_public_name_without_an_api_entry_fails_the_build(tmp_path, env):
     docs = _small_site(tmp_path / "with", EMA_ENTRIES.replace("```\n", has_ema))
     run = sphinx(docs, tmp_path / "out2", env, *only_ema)
     assert run.returncode == 0, run.stderr[-2000:]
+    page = (tmp_path / "out2" / "index.html").read_text()
+    for name, target in [
+        ("pztrain.with_ema", "with_ema"),
+        ("ema_decay()", "ema_decay"),
+    ]:
+        link = f'href="#pztrain.ema.{target}"><code class="docutils literal'
+        assert link in page and f'<span class="pre">{name}</span>' in page, name
+    for literal in ["state", "with_ema_x"]:
+        assert f'literal notranslate"><span class="pre">{literal}</span>' in page

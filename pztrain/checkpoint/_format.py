@@ -102,10 +102,10 @@ def save_params(
       The directory.
 
     Example:
-      >>> import tempfile, jax.numpy as jnp
+      >>> import tempfile, jax.numpy as jnp, pztrain
       >>> with tempfile.TemporaryDirectory() as d:
-      ...     path = save_params(d + "/ckpt", {"w": jnp.ones(2)})
-      ...     print(load_params(path, {"w": jnp.zeros(2)})["w"])
+      ...     path = pztrain.save_params(d + "/ckpt", {"w": jnp.ones(2)})
+      ...     print(pztrain.load_params(path, {"w": jnp.zeros(2)})["w"])
       [1. 1.]
     """
     source = weights_to_save(state_or_params, ema, "save_params")
@@ -129,7 +129,8 @@ def save_state(
     asynchronous saves during `pztrain.fit`, use `pztrain.Checkpoints`.
 
     Example:
-      >>> import tempfile, jax.numpy as jnp, optax
+      >>> import tempfile, jax, jax.numpy as jnp, optax
+      >>> from pztrain import TrainState, load_state, save_state
       >>> like = TrainState.initial_state({"w": jnp.ones(2)}, optax.adam(0.1),
       ...                                 jax.random.key(0))
       >>> with tempfile.TemporaryDirectory() as d:  # after one update: step 1
@@ -149,11 +150,10 @@ def save_args(
     *,
     of: TrainState | None = None,
 ) -> Any:
-    """The orbax save arguments (``ocp.args.Composite``, for pztrain's item
-    handlers) of a checkpoint of ``params`` (`params_of` a state), the arrays of
-    ``state`` (a full-state checkpoint; else ``None``) and free-form ``metadata``.
-    The member count of ``state`` (or of ``of``, the state that ``params`` come
-    from) is recorded; params saved without a state have none.
+    """The orbax save arguments (``ocp.args.Composite``) of a checkpoint of ``params``
+    (`params_of` a state), the arrays of ``state`` (full-state checkpoint, or ``None``)
+    and free-form ``metadata``, with the member count of ``state`` (or of ``of``, the
+    state ``params`` come from; params saved without a state have none).
 
     Raises:
       CheckpointError: naming a leaf a checkpoint cannot hold (a Python number
@@ -216,10 +216,9 @@ def load_params(
 ) -> Any:
     """Loads params into ``like``: a `TrainState`, a model, or a params pytree.
 
-    The structure comes from ``like`` (built in code); the checkpoint supplies
-    values by name. Nothing is read from a file before the names, shapes and
-    dtypes of the JSON, the target and the array files agree; each array is
-    then checked against its checksum.
+    The structure comes from ``like`` (built in code), the values by name from the
+    checkpoint: nothing is read before the JSON, the target and the files agree on
+    names, shapes and dtypes; each array is then checked against its checksum.
 
     Args:
       directory: From `save_params`, `save_state` or `pztrain.Checkpoints`.
@@ -252,6 +251,7 @@ def load_params(
 
     Example:
       >>> import tempfile, jax.numpy as jnp
+      >>> from pztrain import load_params, save_params
       >>> with tempfile.TemporaryDirectory() as d:  # a new head: partial
       ...     p = save_params(d + "/c", {"body": jnp.ones(2), "head": jnp.ones(3)})
       ...     load_params(p, {"body": jnp.zeros(2), "new": jnp.zeros(1)}, partial=True)
@@ -288,11 +288,10 @@ def _loaded_values(
 def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """Restores a full-state checkpoint into ``like`` (a state built from code).
 
-    Every array comes back with ``like`` 's exact types (optax state classes,
-    penzai structures, PRNG keys) and shardings (the state may be abstract and
-    sharded: ``jax.ShapeDtypeStruct(..., sharding=)`` leaves), and every stored
-    number as the type ``like`` has there, so the run continues bit for bit,
-    on any mesh. Files are checked as in `load_params`.
+    Every array comes back with ``like`` 's exact types (optax state classes, penzai
+    structures, PRNG keys) and shardings (``like`` may be abstract and sharded:
+    ``jax.ShapeDtypeStruct(..., sharding=)`` leaves) and stored numbers as ``like`` 's
+    types: the run goes on bit for bit, on any mesh (files checked as in `load_params`).
 
     Raises:
       CheckpointMismatchError: the checkpoint is readable but was saved from another
@@ -304,7 +303,8 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
         trusted (see `load_params`). Resuming skips it.
 
     Example:
-      >>> import tempfile, jax.numpy as jnp, optax
+      >>> import tempfile, jax, jax.numpy as jnp, optax
+      >>> from pztrain import TrainState, load_state, save_state
       >>> state = TrainState.initial_state({"w": jnp.ones(2)}, optax.adam(0.1),
       ...                                  jax.random.key(0))
       >>> with tempfile.TemporaryDirectory() as d:  # into shapes: nothing made first

@@ -48,7 +48,7 @@ def load_from_checkpoint(
         the stored ones (names, shapes, dtypes).
 
     Example:
-      >>> import tempfile, jax.numpy as jnp
+      >>> import tempfile, jax.numpy as jnp; from pztrain import load_from_checkpoint
       >>> from pztrain.checkpoint import save_params
       >>> def build(width):
       ...     return {"w": jnp.zeros(width)}

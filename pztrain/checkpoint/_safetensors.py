@@ -33,6 +33,7 @@ def export_safetensors(
     file. ``ema=True``: a state's EMA params (`pztrain.with_ema`) instead of its params.
 
     Example:
+      >>> from pztrain import export_safetensors
       >>> import tempfile, jax.numpy as jnp, safetensors.numpy
       >>> with tempfile.TemporaryDirectory() as d:
       ...     path = export_safetensors(d + "/w.safetensors", {"w": jnp.ones(2)})
@@ -66,6 +67,7 @@ def import_safetensors(
     """Reads params from a ``.safetensors`` file into ``like`` (see `load_params`).
 
     Example:
+      >>> from pztrain import export_safetensors, import_safetensors
       >>> import tempfile, jax.numpy as jnp
       >>> with tempfile.TemporaryDirectory() as d:
       ...     path = export_safetensors(d + "/w.safetensors", {"w": jnp.ones(2)})

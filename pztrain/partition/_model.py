@@ -38,6 +38,8 @@ class PartitionError(ValueError):
     """A model cannot be split into named parameters as asked.
 
     Example:
+      >>> from pztrain import PartitionError
+      >>> from pztrain.partition import merge
       >>> import jax.numpy as jnp
       >>> from pztrain.partition import split
       >>> params, rest = split({"w": jnp.ones(2)})
@@ -60,7 +62,7 @@ class ParamSlot:
       name: The parameter name; the key of the array in ``TrainState.params``.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax.numpy as jnp, jax
       >>> from pztrain.partition import split
       >>> params, rest = split({"w": jnp.ones(2), "n": jnp.arange(3)})
       >>> rest["w"], jax.tree.leaves(rest)  # a slot has no leaves
@@ -87,7 +89,7 @@ class ApplyFnModel:
       params: The parameter pytree (``None`` in ``model_without_params``).
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax.numpy as jnp; from pztrain import ApplyFnModel
       >>> m = ApplyFnModel(lambda v, x: v["params"]["w"] * x, {"w": jnp.array(2.0)})
       >>> m(3.0)
       Array(6., dtype=float32, weak_type=True)
@@ -242,6 +244,8 @@ def annotated_specs(rest: Any) -> dict[str, Any]:
     for other families.
 
     Example:
+      >>> import jax
+      >>> from pztrain.partition import annotated_specs
       >>> from flax import nnx
       >>> from pztrain.partition import split
       >>> init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
@@ -263,6 +267,7 @@ def model_state(rest: Any) -> dict[str, Any]:
     checkpoints).
 
     Example:
+      >>> from pztrain.partition import model_state
       >>> from flax import nnx
       >>> from pztrain.partition import split
       >>> _, rest = split(nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
@@ -283,6 +288,7 @@ def with_model_state(rest: Any, values: Mapping[str, Any]) -> Any:
     """``rest`` with the `model_state` arrays named in ``values`` replaced.
 
     Example:
+      >>> from pztrain.partition import model_state, with_model_state
       >>> import jax.numpy as jnp
       >>> from flax import nnx
       >>> from pztrain.partition import split
@@ -322,7 +328,7 @@ def merge(params: Mapping[str, Any] | Any, rest: Any) -> Any:
       PartitionError: if a slot's name is missing from ``params``.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax.numpy as jnp; from pztrain.partition import merge
       >>> from pztrain.partition import split
       >>> params, rest = split({"w": jnp.ones(2), "n": jnp.arange(3)})
       >>> merge({"w": jnp.zeros(2)}, rest)
@@ -375,6 +381,8 @@ def to_user_model(model: Any) -> Any:
     families are returned unchanged.
 
     Example:
+      >>> import jax
+      >>> from pztrain.partition import merge, to_user_model
       >>> from penzai import pz
       >>> from pztrain.partition import split
       >>> linear = pz.nn.Linear.from_config(name="lin", init_base_rng=jax.random.key(0),

@@ -85,6 +85,8 @@ def nnx_variables(model: Any) -> tuple[list[Any], list[Any]]:
     its other variables (``([], [])`` for other models), each once.
 
     Example:
+      >>> import jax
+      >>> from pztrain.partition import nnx_variables
       >>> from flax import nnx
       >>> params, others = nnx_variables(nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
       >>> [type(v).__name__ for v in params], [type(v).__name__ for v in others]
@@ -190,7 +192,7 @@ def reseed_streams(module: Any, rng: jax.Array) -> None:
     the loss function's own ``rng`` argument, ``fold_in(root_rng, step)``.
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp; from pztrain.partition import reseed_streams
       >>> from flax import nnx
       >>> drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=0))
       >>> reseed_streams(drop, jax.random.key(1))

@@ -38,7 +38,7 @@ class RestSpec:
         params (batch statistics, rng state …).
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax.numpy as jnp; from pztrain.partition import split_rest
       >>> from pztrain.partition import split
       >>> params, rest = split({"w": jnp.ones(2), "n": jnp.arange(3)})
       >>> spec, arrays = split_rest(rest)
@@ -101,7 +101,7 @@ def split_rest(rest: Any) -> tuple[RestSpec, list[Any]]:
     """Splits ``model_without_params`` into its `RestSpec` and its arrays.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax.numpy as jnp; from pztrain.partition import split_rest
       >>> from pztrain.partition import split
       >>> _, rest = split({"w": jnp.ones(2), "n": jnp.arange(3), "act": "relu"})
       >>> spec, arrays = split_rest(rest)

@@ -105,7 +105,7 @@ def family_of(model: Any) -> str:
       modules included).
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax.numpy as jnp; from pztrain.partition import family_of
       >>> family_of({"w": jnp.zeros(3)})
       'pytree'
     """
@@ -146,6 +146,7 @@ def param_values(state: Any) -> dict[str, Any]:
       A dict name → value.
 
     Example:
+      >>> from pztrain.partition import param_values, split
       >>> import types, jax.numpy as jnp
       >>> from penzai import pz
       >>> w = pz.nx.wrap(jnp.ones(2)).tag("features")
@@ -205,7 +206,7 @@ def split(
         ``nnx.Param``, or when no trainable parameter is left.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax.numpy as jnp; from pztrain.partition import split
       >>> from pztrain.partition import merge
       >>> params, rest = split({"w": jnp.ones(2), "n": jnp.arange(3)})
       >>> list(params), rest["w"]

@@ -45,6 +45,7 @@ class ShardingError(ValueError):
     """Sharding rules or a mesh that do not fit the state.
 
     Example:
+      >>> from pztrain import ShardingError
       >>> import jax, jax.numpy as jnp, optax, pztrain
       >>> s = pztrain.TrainState.initial_state(
       ...     {"w": jnp.zeros(4)}, optax.sgd(0.1), jax.random.key(0))
@@ -76,6 +77,7 @@ class ShardingRules:
         its largest dimension that divides by the axis size.
 
     Example:
+      >>> from pztrain import ShardingRules
       >>> from jax.sharding import PartitionSpec as P
       >>> ShardingRules(axes={"features_out": "model"},
       ...               patterns=[("embed", P("model", None))], fsdp="data").fsdp
@@ -215,6 +217,8 @@ def param_specs(
     """The `PartitionSpec` of each parameter, by name, under ``rules``.
 
     Example:
+      >>> from pztrain import ShardingRules, TrainState
+      >>> from pztrain.sharding import param_specs
       >>> import jax, jax.numpy as jnp, optax
       >>> state = TrainState.initial_state({"w": jnp.ones((4, 2))},
       ...                                  optax.sgd(0.1), jax.random.key(0))

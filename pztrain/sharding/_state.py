@@ -72,6 +72,7 @@ def state_shardings(
       ShardingError: naming the parameter whose rule does not fit it or the mesh.
 
     Example:
+      >>> from pztrain import ShardingRules, state_shardings, TrainState
       >>> import jax, jax.numpy as jnp, optax
       >>> s = TrainState.initial_state(
       ...     {"w": jnp.zeros((4, 2))}, optax.adam(0.1), jax.random.key(0))
@@ -156,6 +157,7 @@ def shard_state(
       The state with every array where its sharding says.
 
     Example:
+      >>> from pztrain import shard_state, TrainState
       >>> import jax, jax.numpy as jnp, optax
       >>> state = TrainState.initial_state({"w": jnp.ones(4)}, optax.sgd(0.1),
       ...                                  jax.random.key(0))
@@ -202,6 +204,7 @@ def sharded_initial_state(
       The state, every array with its `state_shardings` sharding.
 
     Example:
+      >>> from pztrain import sharded_initial_state, ShardingRules, TrainState
       >>> import jax, jax.numpy as jnp, optax
       >>> mesh = jax.make_mesh((1,), ("data",))
       >>> s = sharded_initial_state(
@@ -225,7 +228,7 @@ def data_sharding(
     whole: ``P(None, data_axis)``.
 
     Example:
-      >>> import jax
+      >>> import jax; from pztrain.sharding import data_sharding
       >>> data_sharding(jax.make_mesh((1,), ("data",)), steps_per_call=4).spec
       P(None, 'data')
     """

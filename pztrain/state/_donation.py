@@ -27,7 +27,7 @@ class DonatedStateError(RuntimeError):
     """A state whose arrays were donated to a train step was used again.
 
     Example:
-      >>> import jax.numpy as jnp, optax
+      >>> import jax.numpy as jnp, optax, jax; from pztrain import DonatedStateError
       >>> from pztrain import TrainState, build_train_step
       >>> def loss_fn(*, model, state, rng):
       ...     return jnp.sum(model["w"] ** 2), state, {}

@@ -64,7 +64,7 @@ class TrainState(pz.Struct):
       optimizer_def: The optax transformation (static).
 
     Example:
-      >>> import jax, jax.numpy as jnp, optax
+      >>> import jax, jax.numpy as jnp, optax; from pztrain import TrainState
       >>> model = {"w": jnp.zeros(3), "b": jnp.zeros(())}
       >>> state = TrainState.initial_state(model, optax.sgd(0.1), jax.random.key(0))
       >>> sorted(state.params)
@@ -162,7 +162,7 @@ class TrainState(pz.Struct):
           The state at step 0.
 
         Example:
-          >>> import jax.numpy as jnp, optax
+          >>> import jax.numpy as jnp, optax; from pztrain import TrainState
           >>> state = TrainState.create(
           ...     apply_fn=lambda v, x: v["params"]["w"] * x,
           ...     params={"w": jnp.array(1.0)}, tx=optax.sgd(0.5))
@@ -257,6 +257,8 @@ class TrainState(pz.Struct):
         its sharding.
 
         Example:
+          >>> import jax, jax.numpy as jnp, optax
+          >>> from pztrain import TrainState
           >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
           >>> state = TrainState.initial_state({"w": jnp.zeros(2)}, tx,
           ...                                  jax.random.key(0))
@@ -292,6 +294,8 @@ class TrainState(pz.Struct):
         ``opt_state``, which a donating step cannot take).
 
         Example:
+          >>> import jax, jax.numpy as jnp, optax
+          >>> from pztrain import TrainState
           >>> from pztrain import with_ema
           >>> state = TrainState.initial_state(
           ...     {"w": jnp.zeros(2)}, with_ema(optax.sgd(1.0), 0.75), jax.random.key(0)

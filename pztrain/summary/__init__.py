@@ -6,7 +6,7 @@ type, and the sharding when a state is placed on a mesh), then the totals of
 each part of the state, the step and the key. Typed PRNG key arrays show as
 ``key<fry>`` with the bytes of their key data. The result, a `Summary`, is a
 ``str`` (``print(state.summary())``) that a notebook shows as an HTML table.
-Treescope's own view of a state is `pztrain.state._treescope.readable_treescope`.
+Treescope's own view of a state (``treescope.render_to_text(state)``) unfolds by width.
 
 * `pztrain.summary._rows`: the rows, one `ParamRow` per array;
 * `pztrain.summary._totals`: the totals per part of the state;

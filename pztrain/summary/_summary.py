@@ -124,7 +124,7 @@ def summarize(state: Any) -> Summary:
       pztrain.DonatedStateError: if a train step consumed the state.
 
     Example:
-      >>> import jax, jax.numpy as jnp, optax
+      >>> import jax, jax.numpy as jnp, optax; from pztrain.summary import summarize
       >>> from pztrain.state import TrainState
       >>> model = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)}
       >>> state = TrainState.initial_state(model, optax.sgd(0.1), jax.random.key(0))

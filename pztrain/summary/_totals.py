@@ -37,6 +37,7 @@ def optimizer_state_types(opt_state: Any) -> str:
     """The type names of an optax state, nested as the state is.
 
     Example:
+      >>> from pztrain.summary import optimizer_state_types
       >>> import jax.numpy as jnp, optax
       >>> optimizer_state_types(optax.adam(1e-3).init({"w": jnp.zeros(2)}))
       '(ScaleByAdamState, EmptyState)'

@@ -1,0 +1,241 @@
+"""The checks of the guides' figures, run by ``tests/test_docs_snippets.py``.
+
+A guide shows its code and outputs; what it states is checked here, not on the
+page. Each entry of ``CHECKS[page]`` is ``(anchor, check)``: ``check`` runs in
+the page's namespace right after the one code cell holding ``anchor`` (a line of
+its code). ``docs/_tools/to_mystnb.py`` prints a page's asserts in this form. A
+cell tagged ``raises-exception`` shows its error on the page; its checks read
+the error as ``sys.last_value``, as in IPython.
+"""
+
+from __future__ import annotations
+
+# page name -> (anchor: a line of the cell the check follows, check: code).
+CHECKS: dict[str, list[tuple[str, str]]] = {
+    "checkpoints.md": [
+        (
+            'state = pztrain.load_state("ckpt/full", fresh_state())',
+            "assert int(state.step) == 50",
+        ),
+        (
+            "return_report=True,",
+            'left = ("clf/Affine_1/AddBias.bias", "clf/Affine_1/Linear.weights")\n'
+            "assert report.left == left",
+        ),
+        ("num_steps=250,", "assert int(state.step) == 250"),
+    ],
+    "ema.md": [
+        (
+            'print("ema_step:"',
+            "assert on_ema == pztrain.evaluate(state, ema_step, eval_data)",
+        ),
+        (
+            "ema_model = pztrain.load_params(",
+            'np.testing.assert_array_equal(ema_model["w"], state.ema_params["w"])',
+        ),
+    ],
+    "fit.md": [
+        (
+            'fig.savefig("runs/exp1/history.png")',
+            'assert history.last("eval")["metrics"]["accuracy"] > 0.9',
+        ),
+        (
+            'print(record.get("mfu"))',
+            'assert record["flops_per_step"] > 0 and record["flops_per_sec"] > 0',
+        ),
+        (
+            "def on_eval_end(self, state, record):",
+            'assert history.stop_reason == "accurate enough"',
+        ),
+        (
+            'return {"first_8_correct"',
+            'assert history.last("eval")["metrics"]["test/accuracy"] > 0.8',
+        ),
+        (
+            "np.add.at(counts,",
+            'steps = [e["step"] for e in pztrain.loggers.read_media("runs/media")]\n'
+            "assert steps == [20] * 3 + [40] * 3",
+        ),
+        (
+            "pztrain.evaluate(model, eval_step, valid_loader)  # a model",
+            "import sys\n"
+            "assert isinstance(sys.last_value, TypeError)\n"
+            'assert "initial_state(model, optax.identity()" in str(sys.last_value)',
+        ),
+    ],
+    "loss_and_models.md": [
+        (
+            "state = pztrain.TrainState.initial_state(model, optax.adam(1e-2), "
+            "jax.random.key(1))",
+            "assert jax.random.key_data(jax.random.fold_in(state.root_rng, 0))"
+            ".shape == (2,)",
+        ),
+        (
+            "print(sorted(state.params))",
+            "assert sorted(state.params) == [\n"
+            '    "layers/0/bias", "layers/0/weight",\n'
+            '    "layers/1/bias", "layers/1/weight",\n'
+            "]",
+        ),
+        (
+            'model, optax.adam(1e-2), jax.random.key(1), trainable=r"layers/1"',
+            "assert sorted(frozen_first.params) == "
+            '["layers/1/bias", "layers/1/weight"]',
+        ),
+        (
+            "train_step(old, x=x, y=y)  # its arrays went",
+            "import sys\nassert isinstance(sys.last_value, pztrain.DonatedStateError)",
+        ),
+        (
+            "train_step(shared, x=x, y=y)  # the error names",
+            "import sys\n"
+            "assert isinstance(sys.last_value, pztrain.DonatedStateError)\n"
+            'assert "pztrain.fit(...) called at" in str(sys.last_value)',
+        ),
+        (
+            "train_step(state, x=jnp.ones((32, 3)), y=y)",
+            'import sys\nassert "x: float32[32, 3]" in sys.last_value.__notes__[-1]',
+        ),
+        (
+            "state.replace(opt_state=optax.sgd(0.1).init(state.params))",
+            "import sys\n"
+            "assert isinstance(sys.last_value, ValueError)\n"
+            "assert \"[0].mu['layers/0/bias']\" in str(sys.last_value)",
+        ),
+    ],
+    "migrating.md": [("print(type(model).__name__", "assert isinstance(model, CNN)")],
+    "metrics.md": [
+        (
+            'print(round(whole, 6), round(record["classes/f1"], 6))',
+            'assert abs(whole - record["classes/f1"]) < 1e-12',
+        ),
+        (
+            'print(sums.read()["ppl"]',
+            'assert abs(sums.read()["ppl"] - float(np.exp(12 / 5))) < 1e-4',
+        ),
+    ],
+    "parameter_groups.md": [
+        ("optax.adamw(1e-2, weight_decay=1e-2, mask=mask)", "assert loss < 0.5, loss"),
+        (
+            "# frozen: no moments",
+            'assert not [p for p in moment_paths if "Linear.weights" in p]\n'
+            'w = state.params["mlp/Affine_0/Linear.weights"]\n'
+            "np.testing.assert_array_equal(w, before)",
+        ),
+        (
+            '"layer_1/learning_rate": 0.0',
+            'w = state.params["mlp/Affine_1/Linear.weights"]\n'
+            "np.testing.assert_array_equal(w, head)",
+        ),
+        ("print(found.line())", 'assert "mlp/Affine_1/Linear.weights" in found.line()'),
+    ],
+    "populations.md": [
+        (
+            "print(pop.summary())",
+            "assert pztrain.population_size(pop) == 4 and pop.step.shape == ()\n"
+            'assert pop.params["w"].shape == (4, 4)\n'
+            'lr = pop.hyperparams["learning_rate"]\n'
+            "np.testing.assert_allclose(lr, rates, rtol=1e-6)",
+        ),
+        (
+            "stacked = pztrain.stack_members(",
+            "assert pztrain.population_size(mapped) == 4\n"
+            'np.testing.assert_array_equal(stacked.params["w"], mapped.params["w"])',
+        ),
+        (
+            "fused = pztrain.build_train_step(loss_fn, steps_per_call=2",
+            'assert aux["loss"].shape == (4, 2)  # per member, per step\n'
+            "assert int(pop.step) == 4",
+        ),
+        (
+            "sharded, aux = train_step(sharded",
+            "pop4 = pztrain.make_population(init, seeds=range(4))\n"
+            "placed = shard_members(pop4, mesh)\n"
+            'assert placed.params["w"].sharding.spec[0] == "members"',
+        ),
+        (
+            'fig = history.plot(["loss", "eval/mse"])',
+            'assert np.isclose(train["loss"], np.mean(losses))\n'
+            'assert train["loss/min"] == min(losses)\n'
+            'assert np.isclose(train["learning_rate/member_2"], rates[2])',
+        ),
+        (
+            "one = pztrain.member(pop, best)",
+            "assert pztrain.population_size(one) is None\n"
+            'assert one.params["w"].shape == (4,)\n'
+            'want = result[f"mse/member_{best}"]\n'
+            'np.testing.assert_allclose(alone["mse"], want, rtol=1e-5)\n'
+            "assert [int(m.step) for m in pztrain.members(pop)] == [int(pop.step)] * 4",
+        ),
+        (
+            "pbt.decisions:",
+            'assert [d["step"] for d in pbt.decisions] == [12, 24, 36, 48]',
+        ),
+        ("states = jax.vmap(init)(jnp.arange(3))", 'assert aux["loss"].shape == (3,)'),
+        (
+            "numeric = (loss_after_3_steps",
+            "np.testing.assert_allclose(grad, numeric, rtol=2e-2)",
+        ),
+    ],
+    "precision.md": [
+        ("bf16 = final_loss(train_step", "assert abs(f32 - bf16) < 0.05 * f32"),
+        (
+            "accumulated = one_step(",
+            "for name in whole:\n"
+            "    assert jnp.allclose(whole[name], accumulated[name], atol=1e-5), name",
+        ),
+    ],
+    "quickstart.md": [
+        ('int(state.step), float(aux["loss"])', "assert int(state.step) == 300"),
+        ('int(state.step), float(aux["loss"])', 'assert float(aux["loss"]) < 0.05'),
+        (
+            "fused_step = pztrain.build_train_step(loss_fn, steps_per_call=32)",
+            "assert int(fused.step) == 32\n"
+            "for name in one.params:\n"
+            "    assert jnp.allclose(one.params[name], fused.params[name], atol=1e-5)",
+        ),
+        (
+            "state = state.with_hyperparams(learning_rate=1e-3)",
+            'assert abs(float(state.hyperparams["learning_rate"]) - 1e-3) < 1e-9',
+        ),
+        (
+            "print(state.summary())",
+            # The summary fits 100 columns; treescope's view 80, but a line of one
+            # item that treescope does not break.
+            "import re, treescope\n"
+            "assert max(map(len, str(state.summary()).splitlines())) <= 100\n"
+            "for line in treescope.render_to_text(state).splitlines():\n"
+            "    one_item = re.match(\n"
+            "        r\" *('[^']*'|\\w+)(: |=)(<|# )(jax\\.Array|function)\\b\", line\n"
+            "    )\n"
+            "    assert len(line) <= 80 or one_item, line",
+        ),
+    ],
+    "stops.md": [
+        (
+            "callbacks=[CtrlCAt(30)],",
+            'assert history.stop_reason == "interrupted"\n'
+            "assert int(state.step) <= 31  # at most one call after the signal",
+        ),
+        (
+            "num_steps=100,\n    log_every=10,\n    checkpoints",
+            "assert int(state.step) == 100",
+        ),
+    ],
+    "tuning.md": [
+        ("study.optimize(objective, n_trials=4)", "assert len(study.trials) == 4"),
+        (
+            "trials, history = runs[1]",
+            "assert [t.number for t in trials] == [4, 5, 6, 7]\n"
+            "assert len(study.trials) == 8\n"
+            "for i, trial in enumerate(trials):\n"
+            "    frozen = study.trials[trial.number]\n"
+            "    if frozen.state == optuna.trial.TrialState.COMPLETE:\n"
+            '        assert frozen.value == final[f"loss/member_{i}"]',
+        ),
+        (
+            "told = tell_population(",
+            "assert [t.number for t in told] == [8, 9, 10, 11]",
+        ),
+    ],
+}
