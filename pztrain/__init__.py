@@ -13,6 +13,7 @@ from pztrain import (
     ema,
     groups,
     loggers,
+    metric_states,
     metrics,
     monitors,
     partition,
@@ -47,7 +48,7 @@ from pztrain.checkpoint import (
 from pztrain.data import ArrayLoader, BatchError, GrainLoader, put_batch
 from pztrain.ema import with_ema
 from pztrain.loggers import JsonlLogger, TensorBoardLogger
-from pztrain.loop import evaluate, fit
+from pztrain.loop import Evaluation, evaluate, evaluate_checkpoints, fit
 from pztrain.partition import ApplyFnModel, ParamSlot, PartitionError
 from pztrain.population import (
     PopulationError,
@@ -90,6 +91,7 @@ __all__ = [
     "EarlyStopping",
     "EvalFunction",
     "EvalStep",
+    "Evaluation",
     "GrainLoader",
     "History",
     "JsonlLogger",
@@ -116,6 +118,7 @@ __all__ = [
     "data",
     "ema",
     "evaluate",
+    "evaluate_checkpoints",
     "export_safetensors",
     "fit",
     "groups",
@@ -127,6 +130,7 @@ __all__ = [
     "make_population",
     "member",
     "members",
+    "metric_states",
     "metrics",
     "mixed_precision",
     "monitors",

@@ -147,6 +147,7 @@ ROOMS = [
     "pztrain.partition",
     "pztrain.groups",
     "pztrain.data",
+    "pztrain.metric_states",
     "pztrain.metrics",
     "pztrain.summary",
     "pztrain.state",

@@ -33,6 +33,7 @@ MODULES = [
     "pztrain.integrations.optuna_population",
     "pztrain.loggers",
     "pztrain.loop",
+    "pztrain.metric_states",
     "pztrain.metrics",
     "pztrain.monitors",
     "pztrain.partition",
