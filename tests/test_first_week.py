@@ -404,3 +404,24 @@ def test_a_hook_may_still_return_new_values_of_the_same_structure():
     halve = Returns(lambda state: state.replace(params={"w": state.params["w"] / 2}))
     state, _ = run(num_steps=4, log_every=2, callbacks=[halve])
     assert int(state.step) == 4
+
+
+def test_a_batch_of_strings_is_refused_naming_its_key():
+    def loss_fn(*, model, state, rng, x, label):
+        return jnp.mean(model["w"] * x), state, {}
+
+    def eval_fn(*, model, state, rng, x, label):
+        return {"m": jnp.mean(model["w"] * x)}
+
+    state = pztrain.TrainState.initial_state(
+        {"w": jnp.ones(2)}, optax.sgd(0.1), jax.random.key(0)
+    )
+    batch = {"x": np.ones(2, np.float32), "label": np.array(["cat", "dog"])}
+    want = r"got batch\['label'\] of strings .*encode it first"
+    with pytest.raises(TypeError, match=want):
+        pztrain.build_train_step(loss_fn)(state, batch)
+    with pytest.raises(TypeError, match=want):
+        pztrain.build_eval_step(eval_fn)(state, **batch)
+    objects = {**batch, "label": np.array([{"a": 1}, None], dtype=object)}
+    with pytest.raises(TypeError, match=r"batch\['label'\] of Python objects"):
+        pztrain.build_train_step(loss_fn)(state, objects)

@@ -538,3 +538,25 @@ def test_batches_go_onto_the_steps_sharding(monkeypatch):
     assert int(state.step) == 8
     assert placed and all(s == step.batch_sharding for s, _ in placed)
     assert all(shape == (32, 8, 4) for _, shape in placed)  # a block of 32 steps
+
+
+def _dies_in_a_worker(batch, positions):  # as a worker that re-ran a script does
+    import os
+
+    if os.getpid() != int(os.environ["PZTRAIN_TEST_PARENT"]):
+        os._exit(3)
+    return batch
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_gets_a_note_on_the_main_guard(monkeypatch):
+    import os
+
+    monkeypatch.setenv("PZTRAIN_TEST_PARENT", str(os.getpid()))
+    loader = GrainLoader(
+        examples(), 8, seed=0, workers=1, batch_transform=_dies_in_a_worker
+    )
+    with pytest.raises(RuntimeError) as info:
+        list(itertools.islice(iter(loader), 2))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert 'if __name__ == "__main__":' in notes and "workers=0" in notes

@@ -31,6 +31,15 @@ from pztrain.data._stepped import StepLoader
 
 __all__ = ["GrainLoader"]
 
+# What a failing worker's error adds: a worker starts by importing the user's
+# program, so a script without a __main__ guard trains again in each worker.
+WORKER_NOTE = (
+    "pztrain.GrainLoader(workers=...): each worker process starts by importing "
+    "your program's main module. A script that trains at import (no `if __name__ "
+    '== "__main__":` guard around the training) starts a second run in every '
+    "worker, which then fails: put the training under that guard, or use workers=0."
+)
+
 # Arrays smaller than this go from grain's workers pickled, larger ones through
 # shared memory: measured here, a new shared-memory block costs 0.7 ms for 32 KiB
 # (0.3 ms pickled); the two break even near 256 KiB.
@@ -68,7 +77,8 @@ class GrainLoader(StepLoader):
       seed: The shuffle's seed, in ``[0, 2**32)``.
       workers: grain worker processes reading ahead (``mp_prefetch``); 0
         reads in `pztrain.fit`'s prefetch thread. Workers start in a few
-        seconds (each imports the program's modules).
+        seconds (each imports the program's main module: keep a script's
+        training under ``if __name__ == "__main__":``).
       worker_buffer: Reads each worker keeps ready.
       sharding: For a mesh: the `jax.sharding.NamedSharding` of one batch
         (as `pztrain.ArrayLoader`'s); each process then reads its rows.
@@ -265,6 +275,10 @@ class GrainLoader(StepLoader):
         iterator = iter(grain.experimental.WithOptionsIterDataset(ds, options))
         try:
             yield from iterator
+        except RuntimeError as e:  # e.g. "Worker process was terminated ..."
+            if "worker" in str(e).lower():
+                e.add_note(WORKER_NOTE)
+            raise
         finally:
             iterator.close()
 

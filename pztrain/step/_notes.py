@@ -13,7 +13,7 @@ from typing import Any
 
 from pztrain._tree import describe, is_array_like, named_leaves
 
-__all__ = ["inputs_note", "note_inputs"]
+__all__ = ["inputs_note", "note_inputs", "refuse_text"]
 
 _MARK = "pztrain: the step's inputs"
 _BATCH_LINES = 5
@@ -65,11 +65,41 @@ def inputs_note(params: Any, batch: Any, where: str) -> str:
 
 
 def note_inputs(err: BaseException, params: Any, batch: Any, where: str) -> None:
-    """Adds `inputs_note` to ``err`` once (a nested step does not add another)."""
+    """Adds `inputs_note` to ``err`` once (a nested step does not add another).
+
+    Raises:
+      TypeError: from ``err``, naming the key, if the batch holds text (an
+        array of strings or objects), which no step can take.
+    """
     if any(note.startswith(_MARK) for note in getattr(err, "__notes__", ())):
         return
+    refuse_text(batch, where, err)
     try:
         note = inputs_note(params, batch, where)
     except Exception:  # a note must never hide the error itself
         return
     err.add_note(note)
+
+
+def refuse_text(batch: Any, where: str, cause: BaseException | None = None) -> None:
+    """Raises a TypeError naming the first entry of ``batch`` that holds text.
+
+    Example:
+      >>> import numpy as np
+      >>> from pztrain.step._notes import refuse_text
+      >>> refuse_text({"x": np.ones(2), "y": np.array(["cat", "dog"])}, "step")
+      Traceback (most recent call last):
+      ...
+      TypeError: step got batch['y'] of strings (str96[2]): a step takes numbers only; \
+encode it first (e.g. token or class ids).
+    """
+    if not isinstance(batch, Mapping):
+        return
+    for key, value in batch.items():
+        kind = getattr(getattr(value, "dtype", None), "kind", None)
+        if kind in ("U", "S", "O"):
+            what = "strings" if kind in "US" else "Python objects"
+            raise TypeError(
+                f"{where} got batch[{str(key)!r}] of {what} ({describe(value)}): a "
+                "step takes numbers only; encode it first (e.g. token or class ids)."
+            ) from cause
