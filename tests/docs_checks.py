@@ -10,6 +10,8 @@ the error as ``sys.last_value``, as in IPython.
 
 from __future__ import annotations
 
+import nbformat
+
 # page name -> (anchor: a line of the cell the check follows, check: code).
 CHECKS: dict[str, list[tuple[str, str]]] = {
     "checkpoints.md": [
@@ -239,3 +241,226 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
         ),
     ],
 }
+
+# notebook file name -> (anchor: a line of the code cell the check follows,
+# check: code); tests/test_notebooks.py runs each right after that cell.
+NOTEBOOK_CHECKS = {
+    "01_functional_loop.ipynb": [
+        (
+            "for name, value in state.params.items():",
+            'for field in ("step=", "root_rng=", "params=", '
+            '"opt_state=", "ScaleByAdamState"):\n'
+            "    assert field in text, field",
+        ),
+        (
+            "predictions = jnp.argmax(logits_of(state.model, x[test]), axis=-1)",
+            "assert accuracy > 0.9, accuracy",
+        ),
+        (
+            "predictions = jnp.argmax(logits_of(state.model, x[test]), axis=-1)",
+            "assert int(state.step) == 10 * (len(train) // batch_size)",
+        ),
+    ],
+    "02_fit_and_plots.ipynb": [
+        (
+            'print(len(logged.records), "records;", '
+            'sorted(logged.metric_names("eval")))',
+            'assert [(r["step"], r["split"]) for r in '
+            "logged.records] == [\n"
+            '    (r["step"], r["split"]) for r in history.records\n'
+            "]",
+        ),
+        (
+            'print(len(logged.records), "records;", '
+            'sorted(logged.metric_names("eval")))',
+            'assert logged.series("accuracy", "eval") == '
+            'history.series("accuracy", "eval")',
+        ),
+        (
+            "pztrain.ArrayLoader(test, 256, shuffle=False, drop_remainder=False),",
+            'assert result["accuracy"] > 0.9, result',
+        ),
+        (
+            "pztrain.ArrayLoader(test, 256, shuffle=False, drop_remainder=False),",
+            "assert live.draws >= 2 * epochs  # redrawn at each log "
+            "point and evaluation",
+        ),
+    ],
+    "03_params_only.ipynb": [
+        (
+            'print("fresh model differs before loading:", not '
+            "np.allclose(before, expected))",
+            "np.testing.assert_array_equal(np.asarray(after), np.asarray(expected))",
+        ),
+        (
+            'pztrain.export_safetensors(out / "mlp.safetensors", state)',
+            "assert sorted(tensors) == sorted(state.params)",
+        ),
+        (
+            'pztrain.export_safetensors(out / "mlp.safetensors", state)',
+            "for name, value in state.params.items():\n"
+            "    np.testing.assert_array_equal(tensors[name], "
+            "np.asarray(value))",
+        ),
+        (
+            'w1, b1 = tensors["mlp/Affine_0/Linear.weights"], '
+            'tensors["mlp/Affine_0/AddBias.bias"]',
+            "assert agree == 1.0",
+        ),
+    ],
+    "04_optuna.ipynb": [
+        (
+            'print(f"best: {best.params}  validation accuracy '
+            "{best.user_attrs['accuracy']:.4f}\")",
+            'assert best.user_attrs["accuracy"] > 0.9, best.user_attrs',
+        ),
+        (
+            'print(f"best: {best.params}  validation accuracy '
+            "{best.user_attrs['accuracy']:.4f}\")",
+            'assert pruned >= 1, "the median pruner stopped no trial"',
+        ),
+        (
+            'print(f"best: {best.params}  validation accuracy '
+            "{best.user_attrs['accuracy']:.4f}\")",
+            "assert all(len(t.intermediate_values) >= 1 for t in "
+            "study.trials)  # reports each eval",
+        ),
+    ],
+    "05_interrupt_and_continue.ipynb": [
+        (
+            '"""What the interrupt button does (SIGINT to '
+            'the kernel), at one log point."""',
+            'assert history.stop_reason == "interrupted" and int(state.step) == 100',
+        ),
+        (
+            'print("step", int(state.step), "- the same '
+            'params as the uninterrupted run")',
+            "for name in whole.params:\n"
+            "    np.testing.assert_array_equal(\n"
+            "        np.asarray(state.params[name]), "
+            "np.asarray(whole.params[name])\n"
+            "    )",
+        ),
+        (
+            'print("resumed from checkpoint 100 to step", int(resumed.step))',
+            "for name in whole.params:\n"
+            "    np.testing.assert_array_equal(\n"
+            "        np.asarray(resumed.params[name]), "
+            "np.asarray(whole.params[name])\n"
+            "    )",
+        ),
+        ('raise RuntimeError("a callback failed")', "assert int(state.step) == 350"),
+    ],
+    "06_many_devices.ipynb": [
+        (
+            'os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"',
+            "assert jax.device_count() == 8",
+        ),
+        (
+            "eval_step = pztrain.build_eval_step(eval_fn)  # follows "
+            "the state's shardings",
+            "assert accuracy > 0.9",
+        ),
+    ],
+    "07_ema.ipynb": [
+        (
+            "print({name: round(value, 4) for name, value in sorted(last.items())})",
+            'assert last["ema/accuracy"] > 0.9 and last["accuracy"] > 0.9',
+        ),
+        (
+            'pztrain.export_safetensors(run_dir / "ema.safetensors", state, ema=True)',
+            'assert abs(on_ema["accuracy"] - last["ema/accuracy"]) < 1e-6',
+        ),
+        (
+            'pztrain.export_safetensors(run_dir / "ema.safetensors", state, ema=True)',
+            "for name, value in loaded.items():\n"
+            "    np.testing.assert_array_equal(value, "
+            "state.ema_params[name])",
+        ),
+        (
+            'pztrain.export_safetensors(run_dir / "ema.safetensors", state, ema=True)',
+            "for name, value in exported.items():\n"
+            "    np.testing.assert_array_equal(value, "
+            "state.ema_params[name])",
+        ),
+    ],
+    "08_parameter_groups.ipynb": [
+        (
+            "state = "
+            'state.with_hyperparams(**{"first/learning_rate": '
+            "0.0})  # freeze the first layer",
+            "np.testing.assert_array_equal(\n"
+            '    state.params["mlp/Affine_0/Linear.weights"], '
+            "frozen_before\n"
+            ")",
+        ),
+        (
+            "state = "
+            'state.with_hyperparams(**{"first/learning_rate": '
+            "0.0})  # freeze the first layer",
+            "assert accuracy > 0.9, accuracy",
+        ),
+        (
+            "found = pztrain.step.find_nonfinite(train_step, "
+            "broken_state(), train.batch_at(0))",
+            'assert found.forward == ("mlp/Affine_2/Linear.weights",), found',
+        ),
+    ],
+    "09_populations.ipynb": [
+        (
+            "result = pztrain.evaluate(pop, eval_step, test_data)  # "
+            "mean, min, max, per member",
+            "assert accuracy.mean() > 0.9 and "
+            'np.isclose(result["accuracy"], accuracy.mean())',
+        ),
+        (
+            "result = pztrain.evaluate(pop, eval_step, test_data)  # "
+            "mean, min, max, per member",
+            "assert difference <= 2 / 360  # at most 2 of the 360 test digits",
+        ),
+        (
+            'print(f"best rate {rates[best]:.1e}: test accuracy '
+            "{best_test['accuracy']:.4f}\")",
+            'assert losses[0] > 2 * losses[best] and best_test["accuracy"] > 0.9',
+        ),
+        (
+            'print("replaced per decision, from the log:", '
+            'logged.series("pbt/replaced", "eval")[1])',
+            "assert len(pbt.decisions) == 6",
+        ),
+        (
+            "print(f\"eval accuracy: mean {last['accuracy']:.4f}, "
+            "best {last['accuracy/max']:.4f}\")",
+            'assert last["accuracy/max"] > 0.95',
+        ),
+    ],
+    "10_evaluations.ipynb": [
+        (
+            "predicted = np.asarray(jnp.argmax(logits_of(state.model, "
+            'jnp.asarray(test["x"])), -1))',
+            'assert abs(final["classes/f1"] - whole_set) < 1e-9',
+        )
+    ],
+}
+
+
+def with_checks(nb, name: str):
+    """``nb`` with a code cell after each cell that holds the anchor of one of
+    its checks (`NOTEBOOK_CHECKS`): the checks are here, not in the
+    notebook a reader runs. A check whose anchor is in no cell, or in two,
+    fails the test."""
+    after: dict[int, list[str]] = {}
+    for anchor, check in NOTEBOOK_CHECKS.get(name, []):
+        found = [
+            i
+            for i, cell in enumerate(nb.cells)
+            if cell.cell_type == "code" and anchor in cell.source
+        ]
+        assert len(found) == 1, f"{name}: anchor {anchor!r} in cells {found}"
+        after.setdefault(found[0], []).append(check)
+    cells = []
+    for i, cell in enumerate(nb.cells):
+        cells.append(cell)
+        cells += [nbformat.v4.new_code_cell(c) for c in after.get(i, [])]
+    nb.cells = cells
+    return nb

@@ -16,6 +16,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import docs_checks
 import nbformat
 import pytest
 from ipykernel.kernelspec import write_kernel_spec
@@ -144,7 +145,7 @@ def test_interrupting_a_running_fit_keeps_the_state(tmp_path, kernel_env):
 
 def test_the_interrupt_notebook_runs_twice_in_one_kernel(tmp_path, kernel_env):
     before = _untracked()
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nb = docs_checks.with_checks(nbformat.read(NOTEBOOK, as_version=4), NOTEBOOK.name)
     workdir = tmp_path / "work"
     workdir.mkdir()
     client = _client(nb, workdir)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import docs_checks
 import nbformat
 import pytest
 from ipykernel.kernelspec import write_kernel_spec
@@ -48,6 +49,22 @@ def kernel_env(tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_PLATFORM_DIRS", "1")  # jupyter_core's future default
     path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+
+
+def test_the_notebooks_hold_no_checks():
+    for path in NOTEBOOKS:
+        code = [
+            c.source
+            for c in nbformat.read(path, as_version=4).cells
+            if c.cell_type == "code"
+        ]
+        scaffolding = [
+            line
+            for source in code
+            for line in source.splitlines()
+            if line.lstrip().startswith(("assert ", "np.testing."))
+        ]
+        assert scaffolding == [], f"{path.name}: move these into docs_checks.py"
 
 
 def _outputs(nb, output_type, name=None):
@@ -88,7 +105,7 @@ def _untracked() -> str:
 @pytest.mark.parametrize("path", RUN_HERE, ids=[p.name for p in RUN_HERE])
 def test_notebook_runs_twice_in_one_kernel(path, tmp_path, kernel_env):
     before = _untracked()
-    nb = nbformat.read(path, as_version=4)
+    nb = docs_checks.with_checks(nbformat.read(path, as_version=4), path.name)
     nb.cells.append(nbformat.v4.new_code_cell(CHECK_KERNEL))
     workdir = tmp_path / "work"
     workdir.mkdir()
