@@ -26,6 +26,39 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
         ),
         ("num_steps=250,", "assert int(state.step) == 250"),
     ],
+    "data.md": [
+        (
+            "loader = pztrain.GrainLoader(source, batch_size=64, seed=0, "
+            "decode=layout)",
+            'np.testing.assert_array_equal(batch["x"], x[loader.example_ids(0)])\n'
+            'assert batch["x"].shape == (64, 64) and batch["y"].dtype == np.int32',
+        ),
+        (
+            'datasets.Dataset.from_dict({"x": x, "y": y}).save_to_disk("digits_hf")',
+            'assert loader.batch_at(0)["y"].dtype == np.int64',
+        ),
+        (
+            'pztrain.ArrayLoader({"x": x, "y": y}, batch_size=64, seed=0, '
+            "on_device=True),",
+            'assert np.array_equal(loader.batch_at(30)["y"], '
+            'next(again.iter_from_step(30))["y"])',
+        ),
+        (
+            "records = pztrain.data.BulkSource(grain.sources.ArrayRecordDataSource("
+            '["digits.array_record"]))',
+            "assert loader.steps_per_epoch == len(x) // 64",
+        ),
+        (
+            "noise = np.stack([np.random.default_rng(p).normal(0, 0.01, 64) "
+            "for p in positions])",
+            'assert loader.batch_at(3)["x"].shape == (64, 64)',
+        ),
+        (
+            "valid = pztrain.GrainLoader(source, batch_size=500, shuffle=False, "
+            "decode=layout)",
+            'assert valid.steps_per_epoch == 3\nassert len(valid.rest()["y"]) == 297',
+        ),
+    ],
     "ema.md": [
         (
             'print("ema_step:"',
