@@ -24,9 +24,7 @@ machine's drift cancels (it is shared: say so when quoting it).
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
-import os
 import random
 import statistics
 import time
@@ -35,10 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 import step_bench as sb
-import tqdm
 
 import pztrain
 
@@ -48,18 +43,6 @@ TARGET = 0.98
 
 def build_fit(problem: sb.Problem, evaluations: bool) -> Callable[[int], Any]:
     """``step_bench.build_pztrain_fit``, with two evaluations not due if asked."""
-    state = pztrain.TrainState.initial_state(
-        problem.penzai_v2_model(), optax.adam(sb.LEARNING_RATE), jax.random.key(sb.SEED)
-    )
-    step = pztrain.build_train_step(sb._penzai_loss(sb.penzai_v2_logits))
-    batch_bytes = sum(np.asarray(v).nbytes for v in problem.batch.values())
-    copies = int(np.clip(64 * 2**20 // batch_bytes, 1, 256))
-    arrays = {
-        k: np.concatenate([np.asarray(v)] * copies) for k, v in problem.batch.items()
-    }
-    loader = pztrain.ArrayLoader(
-        arrays, problem.workload.batch, seed=sb.SEED, on_device=True
-    )
 
     def eval_fn(*, model, state, rng, x, y):
         return {"xent": jnp.mean(sb.cross_entropy(sb.penzai_v2_logits(model, x), y))}
@@ -78,25 +61,7 @@ def build_fit(problem: sb.Problem, evaluations: bool) -> Callable[[int], Any]:
                 "host", lambda s: {"step": s.step}, every=NEVER, at_end=False
             ),
         ]
-    devnull = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the runner)
-    bar = functools.partial(tqdm.tqdm, file=devnull, mininterval=0.5)
-    holder = [state, 0]
-
-    def run(n: int) -> Any:
-        state, done = holder
-        state, _ = pztrain.fit(
-            state,
-            step,
-            loader,
-            num_steps=done + n,
-            log_every=100,
-            evaluations=evals,
-            progress=pztrain.ProgressBar(make_bar=bar),
-        )
-        holder[:] = [state, done + n]
-        return state.params
-
-    return run
+    return sb.build_pztrain_fit(problem, evaluations=evals)
 
 
 def measure(problem: sb.Problem, rounds: int, steps: int) -> list[float]:

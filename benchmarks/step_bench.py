@@ -653,8 +653,9 @@ def build_pztrain_program(problem: Problem) -> Runner:
     return Runner(run)
 
 
-def build_pztrain_fit(problem: Problem) -> Callable[[int], Any]:
-    """``pztrain.fit`` on the pztrain column's model, loss and optimizer.
+def build_pztrain_fit(problem: Problem, evaluations=()) -> Callable[[int], Any]:
+    """``pztrain.fit`` on the pztrain column's model, loss and optimizer
+    (``evaluations``: passed to ``fit``, for ``eval_bench.py``).
 
     The data is the workload's batch repeated (up to 256 times, 64 MiB), in an on-device
     ``ArrayLoader`` (shuffled per epoch, sliced inside the step). Each ``run(n)``
@@ -692,6 +693,7 @@ def build_pztrain_fit(problem: Problem) -> Callable[[int], Any]:
             loader,
             num_steps=done + n,
             log_every=100,
+            evaluations=evaluations,
             progress=pztrain.ProgressBar(make_bar=bar),
         )
         holder[:] = [state, done + n]

@@ -40,8 +40,9 @@ def _copy_notebooks() -> None:
 
 _copy_notebooks()
 
-import pztrain  # noqa: E402
 import pztrain_api  # noqa: E402
+
+import pztrain  # noqa: E402
 
 project = "pztrain"
 author = "pztrain contributors"
@@ -126,28 +127,6 @@ napoleon_use_ivar = True  # "Attributes:" as fields: NamedTuple fields documente
 default_role = "py:obj"
 
 
-def _attribute_doc(name: str, obj: object) -> list[str] | None:
-    """A re-exported constant's docstring, from the module that assigns it."""
-    from sphinx.pycode import ModuleAnalyzer
-
-    for modname in sorted(m for m in sys.modules if m.startswith("pztrain")):
-        module = sys.modules[modname]
-        if getattr(module, name, None) is not obj:
-            continue
-        try:
-            docs = ModuleAnalyzer.for_module(modname).find_attr_docs()
-        except Exception:  # a module without source  # noqa: BLE001
-            continue
-        if ("", name) in docs:
-            return list(docs[("", name)])
-    return None
-
-
-def _constant_docstrings(app, what, name, obj, options, lines):
-    if what == "data" and lines and type(obj).__doc__ and lines[0] in type(obj).__doc__:
-        lines[:] = _attribute_doc(name.rsplit(".", 1)[-1], obj) or []
-
-
 def _public_modules() -> list[str]:
     """``pztrain`` and each of its modules with no ``_`` in its dotted name."""
     found = pkgutil.walk_packages(pztrain.__path__, "pztrain.")
@@ -203,5 +182,4 @@ def _directive(obj: object) -> str:
 
 def setup(app):
     app.add_config_value("pztrain_api_modules", [], "env", types=frozenset({list}))
-    app.connect("autodoc-process-docstring", _constant_docstrings)
     app.connect("env-check-consistency", _missing_api_entries)

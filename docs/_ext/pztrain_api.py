@@ -229,16 +229,17 @@ def summary_of(obj: Any, name: str, module: str) -> str:
     if inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj):
         doc = inspect.getdoc(obj) or ""
     else:
-        doc = _attribute_doc(module, name)
+        doc = "\n".join(constant_doc(name, getattr(sys.modules[module], name)))
     paragraph = " ".join(doc.strip().split("\n\n")[0].split())
     match = _SENTENCE.search(paragraph)
     return paragraph[: match.end()] if match else paragraph
 
 
-def _attribute_doc(module: str, name: str) -> str:
+def constant_doc(name: str, obj: Any) -> list[str]:
+    """The docstring lines of a constant ``obj`` named ``name``, read from the
+    source of the pztrain module that assigns it (``[]`` if none has one)."""
     from sphinx.pycode import ModuleAnalyzer
 
-    obj = getattr(sys.modules[module], name)
     for modname in sorted(m for m in sys.modules if m.startswith("pztrain")):
         if getattr(sys.modules[modname], name, None) is not obj:
             continue
@@ -247,8 +248,14 @@ def _attribute_doc(module: str, name: str) -> str:
         except Exception:  # a module without source  # noqa: BLE001
             continue
         if ("", name) in docs:
-            return "\n".join(docs[("", name)])
-    return ""
+            return list(docs[("", name)])
+    return []
+
+
+def constant_docstrings(app, what, name, obj, options, lines):
+    """A re-exported constant gets its own docstring, not its type's."""
+    if what == "data" and lines and type(obj).__doc__ and lines[0] in type(obj).__doc__:
+        lines[:] = constant_doc(name.rsplit(".", 1)[-1], obj)
 
 
 def _kind(obj: Any) -> str:
@@ -344,6 +351,7 @@ def drop_module_map(app, what, name, obj, options, lines):
 def setup(app):
     app.add_directive("pztrain-summary", PztrainSummary)
     app.connect("autodoc-process-docstring", drop_module_map)
+    app.connect("autodoc-process-docstring", constant_docstrings)
     app.add_post_transform(PublicPaths)
     app.connect("missing-reference", resolve_public, priority=400)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
