@@ -631,6 +631,7 @@ def build_pztrain_program(problem: Problem) -> Runner:
     reads the step's private table of programs (a measurement, not an API).
     """
     import pztrain
+    from pztrain.step._types import Carry
 
     state = pztrain.TrainState.initial_state(
         problem.penzai_v2_model(), optax.adam(LEARNING_RATE), jax.random.key(SEED)
@@ -639,16 +640,16 @@ def build_pztrain_program(problem: Problem) -> Runner:
     found = step._programs.lookup(
         state.model_without_params, state.optimizer_def, state.root_rng
     )
-    carry = [state.step, state.params, state.opt_state, state.loss_fn_state, None]
+    carry = [Carry(state.step, state.params, state.opt_state, state.loss_fn_state)]
     batch = problem.batch
 
     def run(n: int) -> Any:
-        c, out = tuple(carry), None
+        c, out = carry[0], None
         for _ in range(n):
-            out = found.step(*c, found.key_data, found.rest, batch)
-            c = out[:5]
-        carry[:] = c
-        return out[6]["loss"]
+            out = found.step(c, found.key_data, found.rest, batch)
+            c = out[0]
+        carry[0] = c
+        return out[2]["loss"]
 
     return Runner(run)
 

@@ -68,23 +68,23 @@ def replaced(state: Any, fields: dict[str, Any]) -> Any:
     return new
 
 
-def after_step(state: Any, out: tuple[Any, ...]) -> Any:
-    """``state`` with the four fields a train step changes replaced by
-    ``out[:4]``: step, params, optimizer state, loss-function state.
+def after_step(state: Any, step: Any, params: Any, opt_state: Any, lfs: Any) -> Any:
+    """``state`` with the four fields a train step changes replaced: step,
+    params, optimizer state, loss-function state (``lfs``).
 
-    The same as ``state.replace(step=out[0], params=out[1], opt_state=out[2],
-    loss_fn_state=out[3])``, for the per-call path of a train step: it fills the
+    The same as ``state.replace(step=step, params=params, opt_state=opt_state,
+    loss_fn_state=lfs)``, for the per-call path of a train step: it fills the
     new state's fields directly (keyword arguments and their checks cost about a
     microsecond per call on CPU).
     """
     cls = type(state)
     if _FIELDS[cls][1]:  # a subclass with __post_init__: run it
         return state.replace(
-            step=out[0], params=out[1], opt_state=out[2], loss_fn_state=out[3]
+            step=step, params=params, opt_state=opt_state, loss_fn_state=lfs
         )
     new = object.__new__(cls)
     fields = new.__dict__
     fields.update(state.__dict__)
-    fields["step"], fields["params"] = out[0], out[1]
-    fields["opt_state"], fields["loss_fn_state"] = out[2], out[3]
+    fields["step"], fields["params"] = step, params
+    fields["opt_state"], fields["loss_fn_state"] = opt_state, lfs
     return new

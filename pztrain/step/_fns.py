@@ -105,18 +105,15 @@ def _scan(one, carry: Carry, root_rng, rest, batch, stateful: bool):
 
 
 def flat(run: StepFn) -> Callable[..., tuple[Any, ...]]:
-    """A train function on flat positional arguments, returning a flat tuple.
+    """A train function on four positional arguments, returning a tuple.
 
-    ``(step, params, opt_state, loss_fn_state, sums, root_rng, rest, batch) ->
-    (step, params, opt_state, loss_fn_state, sums, new_rest, aux)``: what a
-    jitted train step is called with (arguments 0 to 4 are donated). Tuples
-    cost less to build and to take apart per call than the named ones.
+    ``(carry, root_rng, rest, batch) -> (carry, new_rest, aux)``: what a jitted
+    train step is called with (the `Carry`, argument 0, is donated). Four
+    arguments instead of one `Inputs` spare building a tuple per call.
     """
 
-    def flat_run(step, params, opt_state, loss_fn_state, sums, root_rng, rest, batch):
-        carry = Carry(step, params, opt_state, loss_fn_state, sums)
-        carry, new_rest, aux = run(carry, Inputs(root_rng, rest, batch))
-        return (*carry, new_rest, aux)
+    def flat_run(carry: Carry, root_rng, rest, batch):
+        return run(carry, Inputs(root_rng, rest, batch))
 
     return flat_run
 

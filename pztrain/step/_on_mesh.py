@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pztrain.sharding import ShardingError
 from pztrain.step._mesh import MeshLayout, spec_of
+from pztrain.step._types import Carry
 
 __all__ = ["OnMesh", "describe_mesh", "same_mesh"]
 
@@ -22,11 +23,10 @@ class OnMesh:
 
     The body runs in explicit mode (`pztrain.step._mesh.MeshLayout.entered`),
     each argument in the layout it arrives in (an uncommitted array, such as
-    fresh metric sums, replicated). With ``keep=n`` the first ``n`` arguments'
-    shardings are also the first ``n`` outputs' (a train step's step, params,
-    optimizer and loss-function states): they stay where they are, step after
-    step, and donation reuses their buffers. The per-call cost is one ``is
-    None`` check.
+    fresh metric sums, replicated). With ``keep``, outputs keep the shardings
+    their arguments arrived in (a train step's step, params, optimizer and
+    loss-function states): they stay where they are, step after step, and
+    donation reuses their buffers. The per-call cost is one ``is None`` check.
 
     Args:
       fn: The program's function, on positional arguments.
@@ -34,7 +34,9 @@ class OnMesh:
       options: For ``jax.jit`` (donation).
       names: The arguments' names, for errors (``"state.params"``: an array
         of it is named ``state.params['w1']``).
-      keep: How many leading arguments keep their shardings as outputs.
+      keep: ``(args, sharding_of) -> out_shardings``: the outputs' shardings
+        from the first call's arguments (``sharding_of`` maps an array to
+        its sharding), or ``None``: jit places the outputs.
     """
 
     def __init__(
@@ -43,7 +45,7 @@ class OnMesh:
         layout: MeshLayout,
         options: dict[str, Any],
         names: tuple[str, ...],
-        keep: int = 0,
+        keep: Callable[[tuple[Any, ...], Callable], Any] | None = None,
     ):
         self._fn, self._layout, self._options = fn, layout, options
         self._names, self._keep = names, keep
@@ -58,7 +60,7 @@ class OnMesh:
             return jitted(*args)
         except ValueError as err:  # JAX's, for a state moved since the first call?
             self._refuse_misplaced(args, err)
-            if self._keep:  # a train step: its layouts stay those of its first call
+            if self._keep is not None:  # a train step: its first call's layouts stay
                 raise
             return self._own_layout(args)(*args)  # e.g. an evaluation's last rows
 
@@ -88,11 +90,8 @@ class OnMesh:
         self._check_all_placed(args)
         specs = tuple(map(_specs, args))
         options = dict(self._options)
-        if self._keep:
-            kept = tuple(jax.tree.map(self._sharding_of, x) for x in args[: self._keep])
-            # The rest (metric sums, state variables, aux) come and go between
-            # calls (fit's accumulate, then a plain call): jit places them.
-            options["out_shardings"] = (*kept, None, None, None)
+        if self._keep is not None:
+            options["out_shardings"] = self._keep(args, self._sharding_of)
         return jax.jit(self._layout.entered(self._fn, specs), **options)
 
     def _sharding_of(self, x: Any) -> Any:
@@ -168,7 +167,11 @@ def describe_mesh(mesh: Any) -> str:
 def _specs(arg: Any) -> Any:
     """The specs of one argument's arrays, or one replicated spec for all of
     them (which then also fits the argument given another structure, as the
-    metric sums are: ``None`` in a plain call)."""
+    metric sums are: ``None`` in a plain call); a train step's `Carry` field by
+    field."""
+    if isinstance(arg, Carry):
+        fields = (arg.step, arg.params, arg.opt_state, arg.loss_fn_state, arg.sums)
+        return Carry(*map(_specs, fields))
     specs = jax.tree.map(spec_of, arg)
     if all(s == PartitionSpec() for s in jax.tree.leaves(specs)):
         return PartitionSpec()

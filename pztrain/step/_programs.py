@@ -31,16 +31,7 @@ __all__ = [
 
 # The arguments of a train step's program (`pztrain.step._fns.flat`), as an
 # error names them.
-FLAT_NAMES = (
-    "state.step",
-    "state.params",
-    "state.opt_state",
-    "state.loss_fn_state",
-    "sums",
-    "state.root_rng",
-    "state.model_without_params",
-    "batch",
-)
+FLAT_NAMES = ("state", "state.root_rng", "state.model_without_params", "batch")
 
 
 class Programs:
@@ -130,9 +121,9 @@ def args_of(state: TrainState, found: Found, batch: Any, opt_state: bool = True)
 
 
 def flat_args(state: TrainState, found: Found, batch: Any) -> tuple[Any, ...]:
-    """The flat arguments of a train step's program (see `pztrain.step._fns.flat`)."""
+    """The arguments of a train step's program (see `pztrain.step._fns.flat`)."""
     carry, inputs = args_of(state, found, batch)
-    return (*carry, *inputs)
+    return (carry, *inputs)
 
 
 def train_programs(
@@ -173,7 +164,7 @@ def train_programs(
         return TrainPrograms(step, lambda: grads, aux)
     if isinstance(layout, MeshLayout):
         return TrainPrograms(
-            OnMesh(step, layout, options, FLAT_NAMES, keep=4),
+            OnMesh(step, layout, options, FLAT_NAMES, keep=_carry_outputs),
             lambda: OnMesh(grads, layout, {}, ("state", "inputs")),
             OnMesh(aux, layout, {}, ("state", "inputs")),
         )
@@ -183,18 +174,33 @@ def train_programs(
 def jit_options(
     donate: bool, state_shardings: Any, batch_shardings: Any
 ) -> dict[str, Any]:
-    """``jax.jit`` options of a train step's program: donation of the first
-    five flat arguments (step, params, optimizer and loss-function states,
-    sums), and the shardings given at build."""
+    """``jax.jit`` options of a train step's program: donation of its `Carry`
+    (step, params, optimizer and loss-function states, sums), and the
+    shardings given at build."""
     options: dict[str, Any] = {}
     if donate:
-        options["donate_argnums"] = (0, 1, 2, 3, 4)
+        options["donate_argnums"] = (0,)
     if state_shardings is None and batch_shardings is None:
         return options
     sh = state_shardings
-    state = tuple(
-        getattr(sh, name, None) for name in ("params", "opt_state", "loss_fn_state")
+    carry = Carry(
+        None,
+        *(getattr(sh, name, None) for name in ("params", "opt_state", "loss_fn_state")),
     )
-    options["in_shardings"] = (None, *state, None, None, None, batch_shardings)
-    options["out_shardings"] = (None, *state, None, None, None)
+    options["in_shardings"] = (carry, None, None, batch_shardings)
+    options["out_shardings"] = (carry, None, None)
     return options
+
+
+def _carry_outputs(args: tuple[Any, ...], sharding_of: Callable[[Any], Any]):
+    """A train step's ``out_shardings`` on a mesh: its carry's arrays stay
+    where its first call's were (the metric sums, state variables and aux come
+    and go between calls, fit's accumulate then a plain call: jit places them)."""
+    carry = args[0]
+    kept = Carry(
+        *(
+            jax.tree.map(sharding_of, x)
+            for x in (carry.step, carry.params, carry.opt_state, carry.loss_fn_state)
+        )
+    )
+    return (kept, None, None)

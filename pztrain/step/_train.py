@@ -43,7 +43,7 @@ from pztrain.step._programs import (
     jit_options,
     train_programs,
 )
-from pztrain.step._types import LossFunction, Static, StepOutputs
+from pztrain.step._types import LossFunction, Static, StepOutputs, carry_of
 
 __all__ = ["TrainStep"]
 
@@ -254,9 +254,9 @@ class TrainStep:
         small model a step is dispatch bound, and every Python operation here
         costs about as much as several in a micro-benchmark (the device's
         threads share the cores): the fields are read from the state's
-        ``__dict__``, the program takes and returns flat positional tuples
-        (`pztrain.step._fns.flat`), the new state is filled directly, and the
-        state is checked only when the lookup misses (a new rest, optimizer or key).
+        ``__dict__``, the program takes four arguments (`pztrain.step._fns.flat`),
+        the carry and the new state are filled directly, and the state is
+        checked only when the lookup misses (a new rest, optimizer or key).
         """
         try:
             fields = state.__dict__
@@ -282,28 +282,24 @@ class TrainStep:
         counter = fields["step"]  # a tracer (the user's jit, scan, vmap): no donation
         if not isinstance(counter, Tracer) and getattr(counter, "is_deleted", _alive)():
             state.check_not_donated("train_step(state, ...)")  # before XLA logs it
+        params, opt_state = fields["params"], fields["opt_state"]
         try:
-            out = step(
-                counter,
-                fields["params"],
-                fields["opt_state"],
-                fields["loss_fn_state"],
-                sums,
-                key_data,
-                rest_arrays,
-                batch,
-            )
+            carry = carry_of(counter, params, opt_state, fields["loss_fn_state"], sums)
+            out = step(carry, key_data, rest_arrays, batch)
         except Exception as err:
             raise_if_donated(state, err, "train_step(state, ...)")
-            note_inputs(err, fields["params"], batch, "train_step(state, ...)")
+            note_inputs(err, params, batch, "train_step(state, ...)")
             raise
         if calls > 1:
             out = self._more_calls(step, out, found, batch, calls, flag)
-        new = after_step(state, out)
-        if out[5] is not None:  # the model's state variables changed
-            rest = self._programs.rebuild(found, out[5], optimizer_def, root_rng)
+        carry = out[0]
+        new = after_step(
+            state, carry.step, carry.params, carry.opt_state, carry.loss_fn_state
+        )
+        if out[1] is not None:  # the model's state variables changed
+            rest = self._programs.rebuild(found, out[1], optimizer_def, root_rng)
             new = replaced(new, {"model_without_params": rest})
-        return new, out[4], out[6]
+        return new, carry.sums, out[2]
 
     @staticmethod
     def _more_calls(step, out, found, batch, calls, flag):
@@ -312,8 +308,8 @@ class TrainStep:
         for _ in range(calls - 1):
             if flag.requested:
                 break
-            rest = found.rest if out[5] is None else out[5]
-            out = step(*out[:5], found.key_data, rest, batch)
+            rest = found.rest if out[1] is None else out[1]
+            out = step(out[0], found.key_data, rest, batch)
         return out
 
     def single(self) -> TrainStep:
