@@ -31,10 +31,7 @@ checkout and in pztrain at git revision ``REV`` (exported as in
 from __future__ import annotations
 
 import argparse
-import gc
-import random
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -95,26 +92,11 @@ RATIOS = [  # (numerator, denominator, what it shows)
 def measure(problem: sb.Problem, rounds: int, calls: int) -> dict[str, float]:
     """Median over rounds of each ratio of times (lower is faster)."""
     runs = {name: build(problem) for name, build in BUILDERS.items()}
-    for run in runs.values():  # compile and warm up
-        jax.block_until_ready(run(calls))
-    ratios: dict[str, list[float]] = {f"{a}/{b}": [] for a, b, _ in RATIOS}
-    order = list(runs)
-    rng = random.Random(0)
-    gc.disable()
-    try:
-        for _ in range(rounds):
-            rng.shuffle(order)
-            times = {}
-            for name in order:
-                t0 = time.perf_counter()
-                jax.block_until_ready(runs[name](calls))
-                times[name] = time.perf_counter() - t0
-            for a, b, _ in RATIOS:
-                ratios[f"{a}/{b}"].append(times[a] / times[b])
-            gc.collect()
-    finally:
-        gc.enable()
-    return {k: statistics.median(v) for k, v in ratios.items()}
+    rounds_s = sb.timed_rounds(runs, rounds, calls)
+    return {
+        f"{a}/{b}": statistics.median(times[a] / times[b] for times in rounds_s)
+        for a, b, _ in RATIOS
+    }
 
 
 def memory_rows(revision: str, workloads: list[str]) -> list[str]:

@@ -24,14 +24,10 @@ machine's drift cancels (it is shared: say so when quoting it).
 from __future__ import annotations
 
 import argparse
-import gc
-import random
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import step_bench as sb
 
@@ -70,23 +66,8 @@ def measure(problem: sb.Problem, rounds: int, steps: int) -> list[float]:
         "fit": build_fit(problem, evaluations=False),
         "fit_2evals": build_fit(problem, evaluations=True),
     }
-    for run in runs.values():  # compile and warm up
-        jax.block_until_ready(run(steps))
-    order, rng, ratios = list(runs), random.Random(0), []
-    gc.disable()
-    try:
-        for _ in range(rounds):
-            rng.shuffle(order)
-            times = {}
-            for name in order:
-                t0 = time.perf_counter()
-                jax.block_until_ready(runs[name](steps))
-                times[name] = time.perf_counter() - t0
-            ratios.append(times["fit"] / times["fit_2evals"])
-            gc.collect()
-    finally:
-        gc.enable()
-    return ratios
+    rounds_s = sb.timed_rounds(runs, rounds, steps)
+    return [times["fit"] / times["fit_2evals"] for times in rounds_s]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -824,6 +824,34 @@ def _first_loss(out: Any) -> float | None:
         return None
 
 
+def timed_rounds(
+    runs: dict[str, Callable[[int], Any]], rounds: int, calls: int
+) -> list[dict[str, float]]:
+    """Per round, each run's seconds for ``run(calls)`` (blocked on).
+
+    Every run is called once first (compile, warm up). Each round calls every
+    run once in a shuffled order with the collector off; a collection runs
+    between rounds. For benchmarks that compare a few runs by their ratios.
+    """
+    for run in runs.values():
+        jax.block_until_ready(run(calls))
+    order, rng, out = list(runs), random.Random(SEED), []
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            rng.shuffle(order)
+            times = {}
+            for name in order:
+                t0 = time.perf_counter()
+                jax.block_until_ready(runs[name](calls))
+                times[name] = time.perf_counter() - t0
+            out.append(times)
+            gc.collect()
+    finally:
+        gc.enable()
+    return out
+
+
 def _timed(runner: Runner, n: int) -> tuple[float, Any]:
     start = time.perf_counter()
     out = jax.block_until_ready(runner.run(n))

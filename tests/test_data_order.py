@@ -15,24 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from grain_examples import N, examples
 
 import pztrain
 from pztrain.data import BatchError, GrainLoader
 from pztrain.data._order import epoch_keys, permute, shuffled
 from pztrain.data._reading import ReadBlocks
-
-N = 40
-
-
-def example(i) -> dict[str, np.ndarray]:
-    i = int(i) % N
-    x = np.random.default_rng(i).standard_normal(4).astype(np.float32)
-    return {"x": x, "y": np.float32(x.sum() > 0), "id": np.int32(i)}
-
-
-def examples() -> grain.MapDataset:
-    return grain.MapDataset.range(N).map(example)
-
 
 # ----------------------------------------------------------------------------
 # the permutation

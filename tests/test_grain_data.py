@@ -16,23 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from grain_examples import N, example, examples
 
 import pztrain
 from pztrain.data import ArrayLoader, BatchError, BulkSource, GrainLoader
 from pztrain.data._sequential import SequentialData
-
-N = 40
-
-
-def example(i) -> dict[str, np.ndarray]:
-    """Example ``i``: features from its index, and the index itself."""
-    i = int(i) % N
-    x = np.random.default_rng(i).standard_normal(4).astype(np.float32)
-    return {"x": x, "y": np.float32(x.sum() > 0), "id": np.int32(i)}
-
-
-def examples() -> grain.MapDataset:
-    return grain.MapDataset.range(N).map(example)
 
 
 def arrays() -> dict[str, np.ndarray]:
