@@ -11,9 +11,9 @@ it has logged.
 While it reads a checkpoint it holds a reader's mark in the directory
 (`pztrain.checkpoint._readers`), which the run's retention honours: the
 checkpoint is deleted at a later save, once read. The mark covers the read
-only, so disk use stays what ``keep_last`` says; a job slower than training
-skips the checkpoints deleted before it got to them, in step order, each
-named in a warning (and `Job.skipped`), and evaluates the ones it reaches.
+only (one checkpoint more than ``keep_last`` at most); a job slower than
+training goes on in step order with the checkpoints still there, and names
+each one it listed but found deleted in a warning.
 Retention deletes a checkpoint by renaming it away, then removing it, so a
 read that fails on a checkpoint that is gone was a deletion; on one that is
 still there, damage: that one raises.
