@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -135,6 +136,20 @@ def test_the_run_directory_is_refused_naming_its_checkpoint_folder(tmp_path, fol
     with pytest.raises(ValueError, match="it is one checkpoint"):
         _job(tmp_path / "run" / "ckpt" / "2", tmp_path / "job", follow=follow)
     assert not (tmp_path / "job").exists()
+
+
+def test_a_followed_run_directory_is_refused_at_the_runs_first_save(tmp_path):
+    _checkpoint(tmp_path / "saved" / "2")
+    (tmp_path / "run" / "ckpt").mkdir(parents=True)  # a run that has not saved yet
+    first_save = threading.Timer(
+        0.2, lambda: (tmp_path / "saved").replace(tmp_path / "run" / "ckpt")
+    )
+    first_save.start()
+    try:
+        with pytest.raises(ValueError, match="its subfolder 'ckpt' does"):
+            _job(tmp_path / "run", tmp_path / "job", timeout=30, poll=0.05)
+    finally:
+        first_save.join()
 
 
 def test_an_empty_directory_is_waited_for_and_said_at_once(tmp_path, capsys):

@@ -244,6 +244,8 @@ def _follow(job: _Job, follow: bool, timeout: float, poll: float) -> str | None:
             return None
         if time.monotonic() - waited_since > timeout:
             return _timed_out(job, timeout)
+        if not job.seen:  # a run directory shows itself at its first save
+            check_source(job.directory, follow=True)
         if not said and jax.process_index() == 0:
             print(waiting_line(job.directory, timeout), flush=True)
             said = True
