@@ -147,6 +147,23 @@ def test_a_checkpoint_the_run_deleted_before_the_read_is_skipped_and_named(
         assert "the training run deleted it" in message and "keep_last" in message
 
 
+def test_a_directory_the_job_cannot_mark_is_read_unmarked_warned_once(
+    tmp_path, monkeypatch
+):
+    for step in (2, 4):
+        pztrain.save_state(tmp_path / "ckpt" / str(step), _at(step))
+
+    def read_only(path, record):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(_readers, "_write", read_only)
+    with pytest.warns(UserWarning) as caught:
+        history = _job(tmp_path / "ckpt", tmp_path / "job", follow=False)
+    assert [r["step"] for r in history.records] == [2, 4]
+    (message,) = [str(w.message) for w in caught]  # once, not once a checkpoint
+    assert "cannot mark checkpoint 2 as being read" in message
+
+
 def test_a_damaged_checkpoint_that_is_still_there_raises(tmp_path):
     pztrain.save_state(tmp_path / "ckpt" / "2", _at(2))
     for data in (tmp_path / "ckpt" / "2" / "params").rglob("*"):

@@ -137,6 +137,7 @@ class _Job:
         self.done = set(done)
         self.skipped: list[int] = []  # deleted by the run before they were read
         self.seen = False  # whether the directory has held a checkpoint
+        self.marks = True  # whether it can leave reader's marks there
         self.started = time.time()
         self.params_only = params_suffice(like, evaluations)
 
@@ -176,8 +177,9 @@ class _Job:
           CheckpointError: checkpoint ``step`` is still there and unreadable.
         """
         path = self.directory / str(step)
+        mark = reading(self.directory, step) if self.marks else _unmarked()
         try:
-            with reading(self.directory, step):
+            with mark as self.marks:  # a directory it cannot write: warned once
                 return self.read(path, step)
         except Exception as e:
             if path.exists():
@@ -284,6 +286,11 @@ def _timed_out(job: _Job, timeout: float) -> str:
             "Pass a longer timeout= to wait longer."
         )
     return f"no new checkpoint within {timeout:g} s"
+
+
+@contextlib.contextmanager
+def _unmarked():
+    yield False
 
 
 def _deleted(path: Path, step: int) -> str:
