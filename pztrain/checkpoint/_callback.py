@@ -35,6 +35,7 @@ class Checkpoints(Callback):
 
     Keeps the last ``keep_last`` checkpoints and the best ``keep_best`` by ``monitor``;
     the newest checkpoint is always kept, so best-k never deletes what resume needs.
+    One that `pztrain.evaluate_checkpoints` is reading is deleted at a later save.
     With each checkpoint it stores the ``state_dict()`` of the run's other callbacks
     (e.g. `pztrain.EarlyStopping`'s counters).
 

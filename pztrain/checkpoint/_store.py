@@ -4,8 +4,10 @@
 state (the run's metrics, hyperparameters and callback states); a
 `CheckpointStore` does the rest: it writes through a `Writer` (orbax, in the
 background or not), deletes what its `Retention` lets go once nothing is
-pending, holds the directory's lock for a run, and finds the newest readable
-checkpoint to resume from (`pztrain.checkpoint._directory`).
+pending (but not a checkpoint an evaluation job is reading: its reader's mark,
+`pztrain.checkpoint._readers`), holds the directory's lock for a run, and
+finds the newest readable checkpoint to resume from
+(`pztrain.checkpoint._directory`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from pztrain.checkpoint import _directory, _format
+from pztrain.checkpoint import _directory, _format, _readers
 from pztrain.checkpoint._lock import locked
 from pztrain.checkpoint._metadata import CheckpointError
 from pztrain.checkpoint._retention import Retention
@@ -128,9 +130,12 @@ class CheckpointStore:
         self._tidy()
 
     def _tidy(self) -> None:
-        """Deletes the complete checkpoints the retention policy lets go."""
+        """Deletes the complete checkpoints the retention policy lets go,
+        but not one that a job beside the run is reading (its reader's mark,
+        `pztrain.checkpoint._readers`): a later tidy deletes that one."""
         if self.writer.failed is None and self.metrics:
-            self.writer.delete(self.retention.delete(self._saved()))
+            drop = self.retention.delete(self._saved())
+            self.writer.delete(_readers.unheld(self.directory, drop))
 
     def close(self) -> None:
         """Finishes pending saves and releases the manager (even if one failed)
