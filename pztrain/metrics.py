@@ -142,8 +142,7 @@ class MetricSums:
         return MetricSums(self.names, jnp.concatenate([added, first]), merged)
 
     def reset(self) -> MetricSums:
-        """Fresh zero sums for the same names, made on device (no wait, no
-        transfer)."""
+        """Fresh zero sums for the same names, placed as these are (no wait)."""
         return _fresh(self)
 
     def is_ready(self) -> bool:
@@ -196,29 +195,23 @@ def _read_members(names: tuple[str, ...], packed: np.ndarray) -> Summary:
     return Summary(means, count, nonfinite, min(firsts, default=-1))
 
 
-@jax.jit
-def _fresh_one(sums: MetricSums) -> MetricSums:
-    return MetricSums.zeros(sums.names)
-
-
 def _fresh(sums: MetricSums) -> MetricSums:
-    """Zero sums; a population's (a row per member) placed as its were, e.g.
-    split over the devices with the members. Metric states' zeros are made as
-    `MetricSums.zeros` makes them (a population's placed as the states are),
-    so that the step sees the same inputs as on its first call: no retrace."""
-    if sums.packed.ndim == 1:
-        states = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), sums.states)
-        return dataclasses.replace(
-            _fresh_one(MetricSums(sums.names, sums.packed)), states=states
-        )
-    zeros = MetricSums.zeros(sums.names, sums.packed.shape[0])
-    packed = jax.device_put(zeros.packed, sums.packed.sharding)
-    states = jax.tree.map(_placed_zeros, sums.states)
-    return MetricSums(sums.names, packed, states)
+    """Zero sums placed as ``sums`` are: on the devices of its rows (a
+    population split over them with its members), committed to a device only
+    if ``sums`` were, so that the step sees the same inputs as on its first
+    call (a committed input where there was none is a new compilation)."""
+    members = None if sums.packed.ndim == 1 else sums.packed.shape[0]
+    packed = _placed_as(MetricSums.zeros(sums.names, members).packed, sums.packed)
+    zeros = jax.tree.map(
+        lambda x: _placed_as(np.zeros(x.shape, x.dtype), x), sums.states
+    )
+    return MetricSums(sums.names, packed, zeros)
 
 
-def _placed_zeros(x: jax.Array) -> jax.Array:
-    return jax.device_put(np.zeros(x.shape, x.dtype), x.sharding)
+def _placed_as(x: Any, like: jax.Array) -> jax.Array:
+    if like.committed:
+        return jax.device_put(x, like.sharding)
+    return jnp.asarray(x)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,7 @@
 and state, per-member batches counted per member, one compilation across log
 windows and fit calls, and members that diverge."""
 
+import logging
 import re
 
 import equinox as eqx
@@ -141,3 +142,63 @@ def test_fit_counts_a_members_examples_with_per_member_batches():
             assert record["examples_per_sec"] == pytest.approx(
                 16 * record["steps_per_sec"], rel=1e-3
             )
+
+
+def dict_init(seed):
+    w = jax.random.normal(jax.random.key(seed), (3, 8))
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.01)
+    model = {"w": w, "v": jnp.zeros(8)}
+    return pztrain.TrainState.initial_state(model, tx, jax.random.key(seed))
+
+
+def dict_loss(*, model, state, rng, x, y):
+    loss = jnp.mean((jnp.tanh(x @ model["w"]) @ model["v"] - y) ** 2)
+    return loss, state, {"loss": loss}
+
+
+def compiles_during(run):
+    """The programs JAX compiles while ``run()`` runs (a cache hit of the
+    persistent cache counts: the in-memory cache missed)."""
+    names = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Compiling"):
+                names.append(record.getMessage().split(" with ")[0])
+
+    handler, logger = Seen(level=logging.DEBUG), logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            run()
+    finally:
+        logger.removeHandler(handler)
+    return names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("population", [True, False])
+@pytest.mark.parametrize("committed", [False, True])
+def test_no_compilation_across_log_windows_and_fit_calls(population, committed):
+    """The step compiles for the first window of the first fit only: the
+    metric sums of later windows and calls are placed as the first ones."""
+    state = pztrain.make_population(dict_init, seeds=range(4)) if population else None
+    state = dict_init(0) if state is None else state
+    if committed:  # as a restored state is
+        state = jax.device_put(state, jax.devices()[0])
+    data = pztrain.ArrayLoader({"x": X, "y": Y}, batch_size=8, seed=0)
+    step = pztrain.build_train_step(dict_loss)
+    kept = {}
+
+    def fit(num_steps):
+        kept["state"] = pztrain.fit(
+            kept.get("state", state),
+            step,
+            data,
+            num_steps=num_steps,
+            log_every=10,
+            progress=False,
+        )[0]
+
+    fit(10)  # compiles the step (and its cost: a second program)
+    assert compiles_during(lambda: fit(50)) == []  # 4 more windows
