@@ -16,7 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["member_count", "member_key", "spread"]
+from pztrain._tree import is_array, is_float_array
+
+__all__ = ["finite_members", "member_count", "member_key", "spread"]
 
 
 def member_count(root_rng: Any) -> int | None:
@@ -49,19 +51,52 @@ def spread(name: str, value: Any) -> dict[str, float]:
     (a 1-D array), the mean under ``name``, then ``name/min``, ``name/max`` and
     one entry per member (`member_key`).
 
+    A member whose value is not finite (NaN or inf: it diverged) is left out
+    of ``/min`` and ``/max`` (NaN when no member is finite), so that a monitor
+    of the best member (``"loss/min"``) follows the members that still train;
+    ``name/diverged`` then counts those members. The mean stays the mean of
+    every member: NaN as soon as one diverged, as the population's own mean is.
+
     Example:
       >>> import numpy as np
       >>> spread("loss", np.array([1.0, 3.0]))  # doctest: +NORMALIZE_WHITESPACE
       {'loss': 2.0, 'loss/min': 1.0, 'loss/max': 3.0,
        'loss/member_0': 1.0, 'loss/member_1': 3.0}
+      >>> spread("loss", np.array([1.0, np.nan, 3.0]))  # doctest: +NORMALIZE_WHITESPACE
+      {'loss': nan, 'loss/min': 1.0, 'loss/max': 3.0, 'loss/diverged': 1.0,
+       'loss/member_0': 1.0, 'loss/member_1': nan, 'loss/member_2': 3.0}
     """
     array = np.asarray(value, dtype=np.float64)
     if array.ndim == 0:
         return {name: float(array)}
-    out = {
-        name: float(array.mean()),
-        f"{name}/min": float(array.min()),
-        f"{name}/max": float(array.max()),
-    }
+    finite = array[np.isfinite(array)]
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN, as it is
+        out = {name: float(array.mean())}
+    out[f"{name}/min"] = float(finite.min()) if finite.size else float("nan")
+    out[f"{name}/max"] = float(finite.max()) if finite.size else float("nan")
+    if finite.size < array.size:
+        out[f"{name}/diverged"] = float(array.size - finite.size)
     out.update({member_key(name, i): float(v) for i, v in enumerate(array)})
     return out  # every entry but the mean matches pztrain.records.SPREAD
+
+
+def finite_members(tree: Any, members: int) -> np.ndarray:
+    """Per member of a population, whether every float array of ``tree``
+    (its arrays with the member axis first, e.g. its params) is finite.
+
+    Example:
+      >>> import numpy as np
+      >>> finite_members({"w": np.array([[1.0, 2.0], [np.nan, 0.0]])}, 2).tolist()
+      [True, False]
+    """
+    leaves = jax.tree.leaves(tree)
+    floats = [jnp.asarray(x) for x in leaves if is_float_array(x) and is_array(x)]
+    if not floats:
+        return np.ones(members, bool)
+    return np.asarray(_finite_rows(floats))
+
+
+@jax.jit
+def _finite_rows(arrays: list[jax.Array]) -> jax.Array:
+    rows = [jnp.isfinite(x.reshape(x.shape[0], -1)).all(axis=1) for x in arrays]
+    return jnp.stack(rows).all(axis=0)

@@ -47,20 +47,23 @@ class Summary(NamedTuple):
       count: The number of steps summed.
       nonfinite: How many of them had a NaN or infinite loss.
       first_nonfinite_step: The first such step, or -1.
+      nonfinite_members: A population's members with such a step, in order.
 
     Example:
       >>> import jax, jax.numpy as jnp; from pztrain.metrics import MetricSums
       >>> sums, add = MetricSums.zeros(["loss"]), jax.jit(MetricSums.add)
       >>> for step, loss in enumerate([1.0, 3.0]):  # as a step adds them, jitted
       ...     sums = add(sums, jnp.float32(loss), {}, jnp.int32(step))
-      >>> sums.read()
-      Summary(means={'loss': 2.0}, count=2, nonfinite=0, first_nonfinite_step=-1)
+      >>> sums.read()  # doctest: +NORMALIZE_WHITESPACE
+      Summary(means={'loss': 2.0}, count=2, nonfinite=0, first_nonfinite_step=-1,
+              nonfinite_members=())
     """
 
     means: dict[str, float]
     count: int
     nonfinite: int
     first_nonfinite_step: int
+    nonfinite_members: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +187,7 @@ def _read_one(names: tuple[str, ...], packed: np.ndarray) -> Summary:
 def _read_members(names: tuple[str, ...], packed: np.ndarray) -> Summary:
     """A population's sums (one row per member): each metric's mean over the
     members, its min, max and per-member means (`pztrain._members.spread`);
-    the steps with a non-finite loss in any member."""
+    the steps with a non-finite loss in any member, and those members."""
     n = len(names)
     count = int(packed[0, n])
     nonfinite = int(packed[:, n + 1].max())
@@ -192,7 +195,8 @@ def _read_members(names: tuple[str, ...], packed: np.ndarray) -> Summary:
     means: dict[str, float] = {}
     for i, name in enumerate(names):
         means.update(spread(name, packed[:, i] / max(count, 1)))
-    return Summary(means, count, nonfinite, min(firsts, default=-1))
+    lost = tuple(int(i) for i in np.flatnonzero(packed[:, n + 1] > 0))
+    return Summary(means, count, nonfinite, min(firsts, default=-1), lost)
 
 
 def _fresh(sums: MetricSums) -> MetricSums:

@@ -202,3 +202,63 @@ def test_no_compilation_across_log_windows_and_fit_calls(population, committed):
 
     fit(10)  # compiles the step (and its cost: a second program)
     assert compiles_during(lambda: fit(50)) == []  # 4 more windows
+
+
+def test_a_diverged_member_is_left_out_of_min_and_max_and_counted():
+    from pztrain._members import spread
+
+    got = spread("loss", np.array([2.0, np.nan, 1.0, np.inf]))
+    assert got["loss/min"] == 1.0 and got["loss/max"] == 2.0
+    assert got["loss/diverged"] == 2.0
+    assert np.isnan(got["loss"])  # the mean of every member
+    assert "loss/diverged" not in spread("loss", np.array([2.0, 1.0]))
+    none = spread("loss", np.array([np.nan, np.inf]))
+    assert np.isnan(none["loss/min"]) and none["loss/diverged"] == 2.0
+
+
+def poisoned_loss(*, model, state, rng, x, y):
+    """Member ``i`` diverges at once if its loss-function state says so."""
+    loss = jnp.mean((jnp.tanh(x @ model["w"]) @ model["v"] - y) ** 2)
+    loss = loss * jnp.where(state > 0, jnp.nan, 1.0)  # NaN grads too
+    return loss, state, {"loss": loss}
+
+
+@pytest.mark.slow
+def test_a_diverged_member_neither_stops_the_best_nor_its_checkpoints(tmp_path):
+    pop = pztrain.make_population(dict_init, seeds=range(3), learning_rate=[0.05] * 3)
+    pop = pop.replace(loss_fn_state=jnp.asarray([0, 1, 0], jnp.int32))
+    data = pztrain.ArrayLoader({"x": X, "y": Y}, batch_size=64, shuffle=False)
+    ckpts = pztrain.Checkpoints(tmp_path / "ckpt", every_steps=4, keep_last=5)
+    with pytest.warns(UserWarning, match=re.escape("population members [1] whose")):
+        pop, history = pztrain.fit(
+            pop,
+            pztrain.build_train_step(poisoned_loss),
+            data,
+            num_steps=12,
+            log_every=4,
+            callbacks=[pztrain.EarlyStopping("loss/min", patience=1)],
+            checkpoints=ckpts,
+            progress=False,
+        )
+    assert int(pop.step) == 12  # the best member kept improving: no early stop
+    train = [r for r in history.to_dicts() if r["split"] == "train"]
+    for record in train:
+        assert record["nonfinite_members"] == [1]
+        assert record["metrics"]["loss/diverged"] == 1.0
+        assert np.isfinite(record["metrics"]["loss/min"])
+    assert train[-1]["metrics"]["loss/min"] < train[0]["metrics"]["loss/min"]
+    assert ckpts.steps() == [4, 8, 12]  # the whole population, every member
+    restored = ckpts.restore(12, pop)
+    assert np.isfinite(restored.params["w"][0]).all()
+    assert np.isnan(restored.params["w"][1]).all()
+
+
+@pytest.mark.slow
+def test_a_population_with_no_finite_member_is_not_saved(tmp_path):
+    pop = pztrain.make_population(dict_init, seeds=range(2))
+    pop = pop.replace(loss_fn_state=jnp.ones(2, jnp.int32))
+    pop, _ = pztrain.build_train_step(poisoned_loss)(pop, x=X, y=Y)
+    with pztrain.Checkpoints(tmp_path / "ckpt") as ckpts:
+        with pytest.warns(UserWarning, match="no member.s params are finite"):
+            ckpts.save(pop, 1)
+    assert ckpts.steps() == []

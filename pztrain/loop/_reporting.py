@@ -164,6 +164,8 @@ class Reporter:
         if summary.nonfinite:
             record["nonfinite_steps"] = summary.nonfinite
             record["first_nonfinite_step"] = summary.first_nonfinite_step
+        if summary.nonfinite_members:  # a population's, by index
+            record["nonfinite_members"] = list(summary.nonfinite_members)
         return self.hooks.run("on_log", state, record)
 
     def _throughput(self, point: _LogPoint) -> dict[str, float]:
