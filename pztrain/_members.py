@@ -18,7 +18,13 @@ import numpy as np
 
 from pztrain._tree import is_array, is_float_array
 
-__all__ = ["finite_members", "member_count", "member_key", "spread"]
+__all__ = [
+    "finite_members",
+    "member_count",
+    "member_key",
+    "member_shape_note",
+    "spread",
+]
 
 
 def member_count(root_rng: Any) -> int | None:
@@ -39,6 +45,36 @@ def member_count(root_rng: Any) -> int | None:
     if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         return shape[0] if len(shape) == 1 else None
     return shape[0] if len(shape) == 2 else None
+
+
+def member_shape_note(
+    stored: tuple[int, ...], wanted: tuple[int, ...], members: int | None
+) -> str | None:
+    """What to do when a stored array of shape ``stored`` (of a population of
+    ``members``, or of one run: ``None``) does not fit a target's ``wanted``
+    because one of them has a member axis and the other has not; else ``None``.
+
+    Example:
+      >>> member_shape_note((3, 8), (8,), 3)[:44]
+      'The checkpoint holds a population of 3 membe'
+      >>> print(member_shape_note((4,), (8,), None))
+      None
+    """
+    stored, wanted = tuple(stored), tuple(wanted)
+    if members is not None and stored[1:] == wanted:
+        return (
+            f"The checkpoint holds a population of {members} members (axis 0 of "
+            "every array): load it into a population (pztrain.make_population "
+            f"with {members} seeds), then take one out with "
+            "pztrain.member(population, i)."
+        )
+    if members is None and wanted[1:] == stored:
+        return (
+            f"The checkpoint holds one run's params; the target's have a leading "
+            f"axis of {wanted[0]}, as a population's: load it into one run (e.g. "
+            "pztrain.member(population, 0)); pztrain.stack_members stacks runs."
+        )
+    return None
 
 
 def member_key(name: str, i: int) -> str:

@@ -55,7 +55,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from pztrain._members import member_count
-from pztrain._tree import describe, is_array
+from pztrain._tree import describe, is_array, structure_difference
 from pztrain.state import TrainState
 
 __all__ = [
@@ -178,11 +178,12 @@ def _check_alike(states: list[TrainState]) -> None:
     for i, state in enumerate(states[1:], start=1):
         leaves, treedef = _leaves(state)
         if treedef != first_def:
+            where = structure_difference(states[0], state)
             raise PopulationError(
-                f"Member {i}'s structure differs from member 0's (another model "
-                "structure, optimizer, loss-function state or TrainState type): "
-                "members of a population share everything but their arrays' "
-                f"values.\nmember 0: {first_def}\nmember {i}: {treedef}"
+                f"Member {i}'s structure differs from member 0's at {where}. "
+                "Members of a population share everything but their arrays' "
+                "values (model structure, optimizer, loss-function state, "
+                "TrainState type)."
             )
         for (path, a), (_, b) in zip(first, leaves, strict=True):
             _check_leaf(i, path, a, b)
