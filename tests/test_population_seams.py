@@ -204,6 +204,28 @@ def test_no_compilation_across_log_windows_and_fit_calls(population, committed):
     assert compiles_during(lambda: fit(50)) == []  # 4 more windows
 
 
+@pytest.mark.slow
+def test_pbt_decisions_on_a_committed_population_compile_nothing_new():
+    """PBT's new hyperparameters are placed as the ones they replace."""
+    pop = jax.device_put(
+        pztrain.make_population(dict_init, seeds=range(4)), jax.devices()[0]
+    )
+    data = pztrain.ArrayLoader({"x": X, "y": Y}, batch_size=8, seed=0)
+    step = pztrain.build_train_step(dict_loss)
+    pbt = pztrain.PopulationBasedTraining("loss")
+    kept = {"state": pop}
+
+    def fit(num_steps):
+        kept["state"] = pztrain.fit(
+            kept["state"], step, data, num_steps=num_steps, log_every=10,
+            callbacks=[pbt], progress=False,
+        )[0]  # fmt: skip
+
+    fit(10)
+    assert compiles_during(lambda: fit(40)) == []
+    assert len(pbt.decisions) == 4
+
+
 def test_a_diverged_member_is_left_out_of_min_and_max_and_counted():
     from pztrain._members import spread
 
