@@ -213,9 +213,14 @@ def _fresh(sums: MetricSums) -> MetricSums:
 
 
 def _placed_as(x: Any, like: jax.Array) -> jax.Array:
-    if like.committed:
+    """``x`` (host values) placed as ``like``; across processes, each
+    process's shards of it."""
+    if not like.committed:
+        return jnp.asarray(x)
+    if like.sharding.is_fully_addressable:
         return jax.device_put(x, like.sharding)
-    return jnp.asarray(x)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, like.sharding, lambda i: x[i])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,8 +90,8 @@ def placed_as_members(sums: MetricSums, root_rng: Any) -> MetricSums:
     sharding = getattr(root_rng, "sharding", None)
     if isinstance(sharding, NamedSharding) and sharding.spec:
         rows = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0]))
-    elif getattr(root_rng, "committed", False):
-        rows = sharding
+    elif getattr(root_rng, "committed", False) and sharding.is_fully_addressable:
+        rows = sharding  # (across processes, the step places them itself)
     else:
         return sums
     states = jax.device_put(sums.states, rows)  # metric states: a row per member
