@@ -313,9 +313,10 @@ class History:
 
 
 # The entries a population's metric has beside its mean (its members' values,
-# min and max: `pztrain._members.spread`); plots draw them as thin lines on the
-# metric's own panel, and the progress bar leaves them out.
-SPREAD = re.compile(r"/(member_\d+|min|max)$")
+# min and max, the count of diverged members: `pztrain._members.spread`); plots
+# draw them as thin lines on the metric's own panel, and the progress bar
+# leaves them out.
+SPREAD = re.compile(r"/(member_\d+|min|max|diverged)$")
 _MEMBER_LINE = {"linewidth": 0.8, "alpha": 0.45}
 
 

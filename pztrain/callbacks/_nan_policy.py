@@ -29,7 +29,8 @@ class NanPolicy(Callback):
         non-finite updates than its ``max_consecutive_errors``: it then applies them),
         training stops at the next log point.
 
-    Either way `pztrain.Checkpoints` never saves params that are not finite, and the
+    Either way `pztrain.Checkpoints` never saves params that are not finite (a
+    population's: while one member's are finite, the whole population), and the
     arrays at fault are named (`pztrain.step.explain_in_run`) in the stop message, or in
     the record's ``"nonfinite"`` when updates are skipped; on a stop, by replaying the
     steps from the run's newest checkpoint before the first non-finite one (only once

@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 
-from pztrain._tree import all_finite
 from pztrain.callbacks import Callback
 from pztrain.callbacks._monitored import eval_owner, eval_value
 from pztrain.checkpoint import _directory, _format
@@ -167,7 +166,8 @@ class Checkpoints(Callback):
 
         In the background inside `fit` or a ``with`` block (if ``async_save``);
         otherwise it returns once the checkpoint is on disk. Params that are not
-        finite are not saved (a warning says so).
+        finite are not saved (a warning says so); a population is saved while
+        one member's are (a warning names the others).
 
         Raises:
           CheckpointError: if checkpoint ``step`` exists (and not
@@ -188,14 +188,8 @@ class Checkpoints(Callback):
         check_alive(state, "Checkpoints.save", "the arrays of this TrainState")
         self.wait()  # the previous save first: its error names its step
         self.points.saved(step)
-        if not all_finite(state.params):
-            warnings.warn(
-                f"Not saving checkpoint {step} in {self.directory}: its params are "
-                "not finite (NaN or inf). The newest checkpoint stays "
-                f"{max(self.steps(), default=None)}.",
-                stacklevel=3,
-            )
-            return
+        if not self.store.worth_saving(state, step):
+            return  # params not finite (a population's: no member's): a warning
         meta = self._metadata(state, metrics)
         if owed_eval is not None:
             meta["owed_eval"] = {"step": owed_eval[0], "epoch": owed_eval[1]}

@@ -247,7 +247,7 @@ def _stretch(run: _Run, state, sums, step: int, stop_at: float):
             return
         if sums is None:
             sums = run.train_step.metric_sums(state, batch)
-            run.reporter.note_batch(batch, k)
+            run.reporter.note_batch(batch, k, run.train_step.member_batches)
             _note_cost(run, state, batch)
         if calls == 1:
             state, sums = run.train_step.accumulate(state, sums, batch)

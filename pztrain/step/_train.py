@@ -351,7 +351,7 @@ class TrainStep:
             names[key] = (scalars, metric_state_shapes(aux))
         scalars, states = names[key]
         sums = MetricSums.zeros(scalars, members, states)
-        return sums if members is None else placed_as_members(sums, state.root_rng)
+        return placed_as_members(sums, state.root_rng)
 
     def compute_grads(self, state: TrainState, **batch: Any) -> StepOutputs:
         """Loss, new loss-function state, aux and grads for one batch; no update.
