@@ -15,8 +15,13 @@ are the params (DESIGN.md, contract 10).
 
 from pztrain.finetune._export import export_pretrained
 from pztrain.finetune._hf import read_config
-from pztrain.finetune._llama import hf_llama_config, llama_config, llama_mapping
-from pztrain.finetune._load import ImportReport, load_pretrained
+from pztrain.finetune._llama import (
+    hf_llama_config,
+    llama_config,
+    llama_mapping,
+    llama_skeleton,
+)
+from pztrain.finetune._load import ImportReport, load_pretrained, penzai_skeleton
 from pztrain.finetune._mapping import MappingError, Rule, WeightMapping
 from pztrain.finetune._transforms import (
     MergeAxes,
@@ -40,6 +45,8 @@ __all__ = [
     "hf_llama_config",
     "llama_config",
     "llama_mapping",
+    "llama_skeleton",
     "load_pretrained",
+    "penzai_skeleton",
     "read_config",
 ]

@@ -23,6 +23,21 @@ __all__ = [
 ]
 
 INDEX = "model.safetensors.index.json"
+# safetensors' dtype names as NumPy's (ml_dtypes' for the 8-bit floats)
+_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 SINGLE = "model.safetensors"
 
 
@@ -45,7 +60,7 @@ class CheckpointFiles:
 
     Attributes:
       where: The path given (a directory, a ``.safetensors`` file or an index).
-      header: name → ``(shape, dtype)`` (safetensors' dtype names: ``"F32"``).
+      header: name → ``(shape, dtype name)`` (NumPy's: ``"float32"``).
       files: name → the file holding it.
       bytes_read: bytes of tensor data read so far through `read`.
     """
@@ -61,7 +76,8 @@ class CheckpointFiles:
                     if self.files.get(name, path) != path:
                         continue  # the index says another shard holds it
                     s = f.get_slice(name)
-                    self.header[name] = (tuple(s.get_shape()), s.get_dtype())
+                    dtype = _DTYPES.get(s.get_dtype(), s.get_dtype().lower())
+                    self.header[name] = (tuple(s.get_shape()), dtype)
                     self.files[name] = path
         absent = [n for n in self.files if n not in self.header]
         if absent:

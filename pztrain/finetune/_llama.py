@@ -16,10 +16,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from pztrain.finetune._load import penzai_skeleton
 from pztrain.finetune._mapping import Rule, WeightMapping
 from pztrain.finetune._transforms import SplitAxis, Transpose
 
-__all__ = ["hf_llama_config", "llama_config", "llama_mapping"]
+__all__ = ["hf_llama_config", "llama_config", "llama_mapping", "llama_skeleton"]
 
 _T = (Transpose((1, 0)),)
 
@@ -51,7 +52,7 @@ def llama_mapping(config: Any, name: str = "transformer") -> WeightMapping:
       >>> config = llama_config({"hidden_size": 16, "intermediate_size": 32,
       ...     "num_attention_heads": 4, "num_key_value_heads": 2,
       ...     "num_hidden_layers": 2, "vocab_size": 11})
-      >>> rule = llama_mapping(config).rules[-4]
+      >>> rule = llama_mapping(config).rules[-4]  # q_proj
       >>> rule.to_target("model.layers.1.self_attn.q_proj.weight")
       'transformer/block_1/attention/query.weights'
     """
@@ -61,47 +62,37 @@ def llama_mapping(config: Any, name: str = "transformer") -> WeightMapping:
             "own lm_head (use_layer_stack=False, tie_embedder_and_logits=False)."
         )
     q, kv = _heads(config)
-    p, block, layer = config.projection_dim, f"{name}/block_{{i}}", "model.layers.{i}"
-    qk = len(q) + 1
-    return WeightMapping(
-        [
-            Rule("model.embed_tokens.weight", f"{name}/embedder.embeddings"),
-            Rule("model.norm.weight", f"{name}/final_norm/scale.weights"),
-            Rule("lm_head.weight", f"{name}/lm_head.weights", _T),
+    p, nq, nkv = config.projection_dim, len(q) + 1, len(kv) + 1
+    head_in = lambda heads, n: (SplitAxis(0, (*heads, p)), Transpose((n, *range(n))))  # noqa: E731
+    layer = [  # (Hugging Face name, penzai name, transforms) in a block
+        ("input_layernorm", "pre_attention_norm/scale", ()),
+        ("post_attention_layernorm", "pre_ffw_norm/scale", ()),
+        ("mlp.gate_proj", "mlp/gating_linear", _T),
+        ("mlp.up_proj", "mlp/value_linear", _T),
+        ("mlp.down_proj", "mlp/out_linear", _T),
+        ("self_attn.q_proj", "attention/query", head_in(q, nq)),
+        ("self_attn.k_proj", "attention/key", head_in(kv, nkv)),
+        ("self_attn.v_proj", "attention/value", head_in(kv, nkv)),
+        (
+            "self_attn.o_proj",
+            "attention/output",
+            (SplitAxis(1, (*q, p)), Transpose((*range(1, nq + 1), 0))),
+        ),
+    ]
+    rules = [
+        Rule("model.embed_tokens.weight", f"{name}/embedder.embeddings"),
+        Rule("model.norm.weight", f"{name}/final_norm/scale.weights"),
+        Rule("lm_head.weight", f"{name}/lm_head.weights", _T),
+    ]
+    for hf, pz_name, transforms in layer:
+        rules.append(
             Rule(
-                f"{layer}.input_layernorm.weight",
-                f"{block}/pre_attention_norm/scale.weights",
-            ),
-            Rule(
-                f"{layer}.post_attention_layernorm.weight",
-                f"{block}/pre_ffw_norm/scale.weights",
-            ),
-            Rule(f"{layer}.mlp.gate_proj.weight", f"{block}/mlp/gating_linear.weights", _T),
-            Rule(f"{layer}.mlp.up_proj.weight", f"{block}/mlp/value_linear.weights", _T),
-            Rule(f"{layer}.mlp.down_proj.weight", f"{block}/mlp/out_linear.weights", _T),
-            Rule(
-                f"{layer}.self_attn.q_proj.weight",
-                f"{block}/attention/query.weights",
-                (SplitAxis(0, (*q, p)), Transpose((qk, *range(qk)))),
-            ),
-            Rule(
-                f"{layer}.self_attn.k_proj.weight",
-                f"{block}/attention/key.weights",
-                (SplitAxis(0, (*kv, p)), Transpose((len(kv) + 1, *range(len(kv) + 1)))),
-            ),
-            Rule(
-                f"{layer}.self_attn.v_proj.weight",
-                f"{block}/attention/value.weights",
-                (SplitAxis(0, (*kv, p)), Transpose((len(kv) + 1, *range(len(kv) + 1)))),
-            ),
-            Rule(
-                f"{layer}.self_attn.o_proj.weight",
-                f"{block}/attention/output.weights",
-                (SplitAxis(1, (*q, p)), Transpose((*range(1, qk + 1), 0))),
-            ),
-        ],
-        name="llama",
-    )
+                f"model.layers.{{i}}.{hf}.weight",
+                f"{name}/block_{{i}}/{pz_name}.weights",
+                transforms,
+            )
+        )
+    return WeightMapping(rules, name="llama")
 
 
 _UNSUPPORTED = ("rope_scaling", "attention_bias", "mlp_bias")
@@ -170,3 +161,12 @@ def hf_llama_config(config: Any) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
+
+
+def llama_skeleton(config: Any, name: str = "transformer") -> Any:
+    """penzai's llama-like transformer for ``config``, its parameters frozen
+    and abstract: the target `load_pretrained` fills (no weight computed)."""
+    from penzai.models.transformer.variants import llamalike_common
+
+    build = llamalike_common.build_llamalike_transformer
+    return penzai_skeleton(lambda rng: build(config, init_base_rng=rng, name=name))

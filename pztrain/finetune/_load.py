@@ -20,7 +20,7 @@ from pztrain.finetune._hf import checkpoint_files
 from pztrain.finetune._mapping import Entry, MappingError, WeightMapping, plan_import
 from pztrain.finetune._transforms import read_plan, to_target
 
-__all__ = ["ImportReport", "load_pretrained", "model_params"]
+__all__ = ["ImportReport", "load_pretrained", "model_params", "penzai_skeleton"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,20 +112,8 @@ def load_pretrained(
     where = str(files.where)
     entries, missing, unexpected = plan_import(mapping, files.header, want, where)
     if (missing or unexpected) and not partial:
-        raise MappingError(
-            f"{mapping.name} mapping and {where} do not match: params no tensor "
-            f"fills {list(missing)[:8]}, tensors no rule reads "
-            f"{list(unexpected)[:8]}. Add rules, or pass partial=True to load what "
-            "matches (the report lists the rest)."
-        )
-    shardings = shardings or {}
-    loaded = {}
-    try:
-        for e in entries:
-            sharding = shardings.get(e.target) or _sharding_of(targets[e.target])
-            loaded[e.target] = _read(files, e, want[e.target][1], sharding)
-    finally:
-        files.close()
+        raise _unmatched(mapping, where, missing, unexpected)
+    loaded = _read_all(files, entries, targets, want, shardings or {})
     report = ImportReport(
         where,
         {e.target: e.source for e in entries},
@@ -134,6 +122,26 @@ def load_pretrained(
         files.bytes_read,
     )
     return rebuild({**targets, **loaded}), report
+
+
+def _read_all(files, entries, targets, want, shardings) -> dict[str, jax.Array]:
+    loaded = {}
+    try:
+        for e in entries:
+            sharding = shardings.get(e.target) or _sharding_of(targets[e.target])
+            loaded[e.target] = _read(files, e, want[e.target][1], sharding)
+    finally:
+        files.close()
+    return loaded
+
+
+def _unmatched(mapping: Any, where: str, missing: Any, unexpected: Any) -> MappingError:
+    return MappingError(
+        f"{mapping.name} mapping and {where} do not match: params no tensor "
+        f"fills {list(missing)[:8]}, tensors no rule reads "
+        f"{list(unexpected)[:8]}. Add rules, or pass partial=True to load what "
+        "matches (the report lists the rest)."
+    )
 
 
 def _dtype(x: Any, dtype: Any) -> np.dtype:
@@ -175,5 +183,29 @@ def _bounding_box(shape: tuple[int, ...], indices: Any) -> tuple[tuple[int, int]
         for a, (s, n) in enumerate(zip(index, shape, strict=True)):
             lo, hi, _ = s.indices(n)
             starts[a], stops[a] = min(starts[a], lo), max(stops[a], hi)
-    return tuple((lo, hi) if hi > lo else (0, 0) for lo, hi in zip(starts, stops))
+    return tuple(
+        (lo, hi) if hi > lo else (0, 0) for lo, hi in zip(starts, stops, strict=True)
+    )
 
+
+def penzai_skeleton(build: Callable[[Any], Any]) -> Any:
+    """The penzai v2 model ``build(init_base_rng)`` makes, its parameters frozen
+    and abstract (``jax.ShapeDtypeStruct``): a target for `load_pretrained`
+    that computes no weight. Its other arrays (constants) are concrete, which a
+    ``jax.eval_shape`` of the whole model would not give.
+
+    Example:
+      >>> import jax; from penzai import pz
+      >>> from pztrain.finetune import penzai_skeleton
+      >>> model = penzai_skeleton(lambda rng: pz.nn.Linear.from_config(
+      ...     name="l", init_base_rng=rng, input_axes={"i": 2},
+      ...     output_axes={"o": 3}))
+      >>> model.weights.value.data_array
+      ShapeDtypeStruct(shape=(2, 3), dtype=float32)
+    """
+    from penzai import pz
+
+    values = jax.eval_shape(
+        lambda: pz.unbind_params(build(jax.random.key(0)), freeze=True)[1]
+    )
+    return pz.bind_variables(build(None), values)

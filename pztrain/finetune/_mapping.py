@@ -182,9 +182,7 @@ def _no_match(rule: Rule, mapping: WeightMapping, stored: Any, where: str) -> st
     )
 
 
-def _entry(
-    rule: Rule, s: str, t: str, stored: Any, target: Any, where: str
-) -> Entry:
+def _entry(rule: Rule, s: str, t: str, stored: Any, target: Any, where: str) -> Entry:
     (shape, dtype), (want, want_dtype) = stored, target
     try:
         shapes = shapes_along(rule.transforms, shape)
@@ -194,7 +192,8 @@ def _entry(
     else:
         reason = ""
     if shapes is None or shapes[-1] != tuple(want):
-        got = f"{describe_shape(shapes[-1], dtype)} after the transforms" if shapes else ""
+        got = rule.transforms and shapes and describe_shape(shapes[-1], dtype)
+        got = f"{got} after the transforms" if got else ""
         raise MappingError(
             f"Tensor {s!r} of {where} is {describe_shape(shape, dtype)}"
             f"{', ' + got if got else ''}{reason}, but the param {t!r} is "
@@ -212,8 +211,6 @@ def _entry(
 
 
 def _is_float(dtype: Any) -> bool:
-    if isinstance(dtype, str) and dtype[:1] in "FB" and dtype.isupper():
-        return dtype.startswith(("F", "BF"))  # safetensors' names: F32, BF16, BOOL
     import jax.numpy as jnp
 
     return bool(jnp.issubdtype(np.dtype(dtype), jnp.inexact))
