@@ -269,3 +269,25 @@ def test_export_refuses_a_param_no_rule_maps_back_before_writing(tmp_path):
             tmp_path / "out", {"a": jnp.ones(2), "b": jnp.ones(2)}, mapping
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_a_box_of_the_target_reads_only_its_rows_of_the_source():
+    """What a process reads for the devices it holds (one process here holds
+    all eight, so the mesh case reads every tensor whole, once)."""
+    from pztrain.finetune._transforms import read_plan, shapes_along, to_target
+
+    rule = MAPPING.rules[-4]  # q_proj (16, 16) -> query (16, 2, 2, 4)
+    shapes = shapes_along(rule.transforms, (16, 16))
+    source = np.arange(256, dtype=np.float32).reshape(16, 16)
+    everything = tuple((0, n) for n in shapes[-1])
+    whole = to_target(
+        rule.transforms, source, read_plan(rule.transforms, shapes, everything)[0]
+    )
+    box = ((0, 16), (1, 2), (0, 2), (0, 4))  # the second head group
+    boxes, got = read_plan(rule.transforms, shapes, box)
+    assert boxes[0] == ((8, 16), (0, 16)) and got == box
+    part = to_target(rule.transforms, source[8:16], boxes)
+    np.testing.assert_array_equal(part, whole[:, 1:2])
+    box = ((0, 16), (0, 2), (0, 2), (0, 2))  # half of each head: rows apart
+    boxes, got = read_plan(rule.transforms, shapes, box)
+    assert boxes[0] == ((0, 16), (0, 16)) and got == everything
