@@ -10,7 +10,8 @@ are the params (DESIGN.md, contract 10).
 * `pztrain.finetune._hf`: the files of Hugging Face's layout, sliced reads;
 * `pztrain.finetune._load`: `load_pretrained` and its `ImportReport`;
 * `pztrain.finetune._export`: `export_pretrained`, the mapping backwards;
-* `pztrain.finetune._llama`: the mapping for penzai's Llama-style transformer.
+* `pztrain.finetune._llama`: the mapping for penzai's Llama-style transformer;
+* `pztrain.finetune._lora`, `pztrain.finetune._lora_layers`: low-rank adapters.
 """
 
 from pztrain.finetune._export import export_pretrained
@@ -22,6 +23,7 @@ from pztrain.finetune._llama import (
     llama_skeleton,
 )
 from pztrain.finetune._load import ImportReport, load_pretrained, penzai_skeleton
+from pztrain.finetune._lora import LoraConfig, add_lora, is_adapter, merge_lora
 from pztrain.finetune._mapping import MappingError, Rule, WeightMapping
 from pztrain.finetune._transforms import (
     MergeAxes,
@@ -33,6 +35,7 @@ from pztrain.finetune._transforms import (
 
 __all__ = [
     "ImportReport",
+    "LoraConfig",
     "MappingError",
     "MergeAxes",
     "Rule",
@@ -41,12 +44,15 @@ __all__ = [
     "TransformError",
     "Transpose",
     "WeightMapping",
+    "add_lora",
     "export_pretrained",
     "hf_llama_config",
+    "is_adapter",
     "llama_config",
     "llama_mapping",
     "llama_skeleton",
     "load_pretrained",
+    "merge_lora",
     "penzai_skeleton",
     "read_config",
 ]
