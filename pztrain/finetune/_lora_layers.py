@@ -112,7 +112,7 @@ def _nnx_class() -> type:
         def __call__(self, x: jax.Array) -> jax.Array:
             y = x @ self.kernel[...]
             if self.bias is not None:
-                y = y + self.bias[...]
+                y = y + self.bias[...].reshape((1,) * (y.ndim - 1) + (-1,))
             lora = self.dropout(x) @ self.lora_a[...] @ self.lora_b[...]
             return y + (self.scale * lora).astype(y.dtype)
 
