@@ -11,7 +11,8 @@ are the params (DESIGN.md, contract 10).
 * `pztrain.finetune._load`: `load_pretrained` and its `ImportReport`;
 * `pztrain.finetune._export`: `export_pretrained`, the mapping backwards;
 * `pztrain.finetune._llama`: the mapping for penzai's Llama-style transformer;
-* `pztrain.finetune._lora`, `pztrain.finetune._lora_layers`: low-rank adapters.
+* `pztrain.finetune._lora`, `pztrain.finetune._lora_layers`: low-rank adapters;
+* `pztrain.finetune._peft`: adapters in PEFT's layout, out and in.
 """
 
 from pztrain.finetune._export import export_pretrained
@@ -25,6 +26,7 @@ from pztrain.finetune._llama import (
 from pztrain.finetune._load import ImportReport, load_pretrained, penzai_skeleton
 from pztrain.finetune._lora import LoraConfig, add_lora, is_adapter, merge_lora
 from pztrain.finetune._mapping import MappingError, Rule, WeightMapping
+from pztrain.finetune._peft import export_peft, load_peft
 from pztrain.finetune._transforms import (
     MergeAxes,
     Slice,
@@ -45,10 +47,12 @@ __all__ = [
     "Transpose",
     "WeightMapping",
     "add_lora",
+    "export_peft",
     "export_pretrained",
     "hf_llama_config",
     "is_adapter",
     "llama_config",
+    "load_peft",
     "llama_mapping",
     "llama_skeleton",
     "load_pretrained",

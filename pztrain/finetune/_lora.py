@@ -30,7 +30,14 @@ from pztrain.finetune._lora_layers import (
     nnx_merged,
 )
 
-__all__ = ["LoraConfig", "add_lora", "is_adapter", "merge_lora"]
+__all__ = [
+    "Adapter",
+    "LoraConfig",
+    "adapters_of",
+    "add_lora",
+    "is_adapter",
+    "merge_lora",
+]
 
 _ADAPTER = re.compile(r"(LoRA_[AB]\.weights|lora_[ab])$")
 
@@ -247,3 +254,73 @@ def _with_value(param: Any, value: Any) -> Any:
     if isinstance(param, pz.Parameter):
         return pz.Parameter(value=value, label=param.label, metadata=param.metadata)
     return dataclasses.replace(param, value=value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """One adapter of a model: its base weight's param name, its two factors'
+    param names, its scale (``alpha / rank``) and its dropout rate."""
+
+    base: str
+    a: str
+    b: str
+    scale: float
+    dropout: float = 0.0
+
+
+def adapters_of(model: Any) -> list[Adapter]:
+    """The adapters `add_lora` put into ``model``, in the model's order."""
+    family = partition.family_of(model)
+    if family == "penzai_v2":
+        return _penzai_adapters(model)
+    if family == "nnx":
+        nodes = _nnx_nodes(model, is_nnx_lora)
+        return [
+            Adapter(
+                x.base_name,
+                f"{_join(p)}/lora_a",
+                f"{_join(p)}/lora_b",
+                x.scale,
+                x.dropout.rate,
+            )
+            for p, x in nodes
+        ]
+    is_lora = lambda x: isinstance(x, EqxLoraLinear)  # noqa: E731
+    flat = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_lora)[0]
+    return [
+        Adapter(
+            x.base_name,
+            f"{path_name(p)}/lora_a",
+            f"{path_name(p)}/lora_b",
+            x.scale,
+            x.dropout,
+        )
+        for p, x in flat
+        if is_lora(x)
+    ]
+
+
+def _join(path: tuple[Any, ...]) -> str:
+    return "/".join(map(str, path))
+
+
+def _penzai_adapters(model: Any) -> list[Adapter]:
+    from penzai import pz
+    from penzai.toolshed import lora
+
+    out = []
+    for ad in pz.select(model).at_instances_of(lora.LowRankAdapter).get_sequence():
+        base, update = ad.sublayers[0].branches
+        parts = [x for x in update.sublayers if isinstance(x, pz.nn.Linear)]
+        scale = [x for x in update.sublayers if isinstance(x, pz.nn.ConstantRescale)]
+        drop = [x for x in update.sublayers if isinstance(x, pz.nn.StochasticDropout)]
+        out.append(
+            Adapter(
+                str(base.sublayers[0].weights.label),
+                str(parts[0].weights.label),
+                str(parts[1].weights.label),
+                float(scale[0].by) if scale else 1.0,
+                drop[0].drop_rate if drop else 0.0,
+            )
+        )
+    return out
