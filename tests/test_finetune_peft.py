@@ -99,7 +99,10 @@ def test_peft_in_refuses_another_rank_or_other_targets(llama, tmp_path):
     ):
         load_peft(tmp_path, rank4, MAPPING)
     other = _lora_llama(llama[0], LoraConfig(2, 4.0, "attention/query"))
-    msg = "are on modules ['model.layers.0.self_attn.o_proj', 'model.layers.1.self_attn.o_proj'] the model has none on"
+    msg = (
+        "are on modules ['model.layers.0.self_attn.o_proj', "
+        "'model.layers.1.self_attn.o_proj'] the model has none on"
+    )
     with pytest.raises(ValueError, match=re.escape(msg)):
         load_peft(tmp_path, other, MAPPING)
     alpha = _lora_llama(llama[0], LoraConfig(2, 8.0, LORA.targets))
