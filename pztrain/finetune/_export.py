@@ -95,6 +95,18 @@ def export_pretrained(
 
     Raises:
       MappingError: a param no rule maps back (nothing is written).
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, safetensors.numpy
+      >>> from pztrain.finetune import Rule, Transpose, WeightMapping
+      >>> from pztrain.finetune import export_pretrained
+      >>> mapping = WeightMapping([Rule("fc.weight", "w", (Transpose((1, 0)),))])
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     path = export_pretrained(d, {"w": jnp.ones((2, 3))}, mapping)
+      ...     print(safetensors.numpy.load_file(f"{path}/model.safetensors"))
+      {'fc.weight': array([[1., 1.],
+             [1., 1.],
+             [1., 1.]], dtype=float32)}
     """
     params = model_params(model)[0]
     tensors = source_tensors(params, mapping, dtype=dtype)

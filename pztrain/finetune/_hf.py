@@ -154,7 +154,17 @@ def _indexed(index: Path) -> CheckpointFiles:
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """The ``config.json`` beside a checkpoint (``path``: its directory or a file
-    in it)."""
+    in it).
+
+    Example:
+      >>> import json, tempfile
+      >>> from pztrain.finetune import read_config
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     with open(d + "/config.json", "w") as f:
+      ...         json.dump({"hidden_size": 16}, f)
+      ...     print(read_config(d))
+      {'hidden_size': 16}
+    """
     path = Path(path)
     folder = path if path.is_dir() else path.parent
     return json.loads((folder / "config.json").read_text())

@@ -110,6 +110,14 @@ def llama_config(hf_config: Mapping[str, Any], **overrides: Any) -> Any:
     Raises:
       ValueError: a feature penzai's llama-like transformer lacks (tied
         embeddings, RoPE scaling, biases), named.
+
+    Example:
+      >>> from pztrain.finetune import llama_config
+      >>> config = llama_config({"hidden_size": 16, "intermediate_size": 32,
+      ...     "num_attention_heads": 4, "num_key_value_heads": 2,
+      ...     "num_hidden_layers": 2, "vocab_size": 11})
+      >>> config.num_kv_heads, config.query_head_multiplier, config.projection_dim
+      (2, 2, 4)
     """
     from penzai.models.transformer.variants import llamalike_common
 
@@ -143,7 +151,15 @@ def llama_config(hf_config: Mapping[str, Any], **overrides: Any) -> Any:
 
 
 def hf_llama_config(config: Any) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` of a penzai llama-like configuration."""
+    """The Hugging Face ``config.json`` of a penzai llama-like configuration.
+
+    Example:
+      >>> from pztrain.finetune import hf_llama_config, llama_config
+      >>> hf = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 4,
+      ...       "num_hidden_layers": 2, "vocab_size": 11}
+      >>> hf_llama_config(llama_config(hf))["num_key_value_heads"]
+      4
+    """
     heads = config.num_kv_heads * config.query_head_multiplier
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -165,7 +181,16 @@ def hf_llama_config(config: Any) -> dict[str, Any]:
 
 def llama_skeleton(config: Any, name: str = "transformer") -> Any:
     """penzai's llama-like transformer for ``config``, its parameters frozen
-    and abstract: the target `load_pretrained` fills (no weight computed)."""
+    and abstract: the target `load_pretrained` fills (no weight computed).
+
+    Example:
+      >>> from pztrain.finetune import llama_config, llama_skeleton
+      >>> config = llama_config({"hidden_size": 16, "intermediate_size": 32,
+      ...     "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 11})
+      >>> skeleton = llama_skeleton(config)
+      >>> type(skeleton).__name__
+      'TransformerLM'
+    """
     from penzai.models.transformer.variants import llamalike_common
 
     build = llamalike_common.build_llamalike_transformer

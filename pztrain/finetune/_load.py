@@ -33,6 +33,18 @@ class ImportReport:
       missing: The model's params no tensor filled (kept as they were).
       unexpected: The stored tensors no rule matched (not read).
       bytes_read: Bytes of tensor data this process read.
+
+    Example:
+      >>> import tempfile, numpy as np, jax.numpy as jnp, safetensors.numpy
+      >>> from pztrain.finetune import Rule, WeightMapping, load_pretrained
+      >>> mapping = WeightMapping([Rule("fc.{p}", "fc/{p}")])
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     tensors = {"fc.weight": np.ones((3, 2), np.float32)}
+      ...     safetensors.numpy.save_file(tensors, d + "/model.safetensors")
+      ...     like = {"fc": {"weight": jnp.zeros((3, 2)), "bias": jnp.zeros(3)}}
+      ...     params, report = load_pretrained(d, like, mapping, partial=True)
+      >>> report.loaded, report.missing, report.bytes_read
+      ({'fc/weight': 'fc.weight'}, ('fc/bias',), 24)
     """
 
     where: str
@@ -105,6 +117,19 @@ def load_pretrained(
       MappingError: see `plan_import`; without ``partial``, params left
         unfilled or tensors left unread (both listed).
       FileNotFoundError: no checkpoint, or a shard the index names is missing.
+
+    Example:
+      >>> import tempfile, numpy as np, jax.numpy as jnp, safetensors.numpy
+      >>> from pztrain.finetune import Rule, Transpose, WeightMapping, load_pretrained
+      >>> mapping = WeightMapping([Rule("fc.weight", "w", (Transpose((1, 0)),))])
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     tensors = {"fc.weight": np.arange(6, dtype=np.float32).reshape(3, 2)}
+      ...     safetensors.numpy.save_file(tensors, d + "/model.safetensors")
+      ...     params, report = load_pretrained(d, {"w": jnp.zeros((2, 3))}, mapping,
+      ...                                      dtype=jnp.bfloat16)
+      >>> params["w"]
+      Array([[0, 2, 4],
+             [1, 3, 5]], dtype=bfloat16)
     """
     files = checkpoint_files(path)
     targets, rebuild = model_params(like)

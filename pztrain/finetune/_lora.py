@@ -52,6 +52,11 @@ class LoraConfig:
       targets: A regex searched in each linear layer's weight name (its param
         name: ``"attention/(query|value)"`` for penzai's transformer).
       dropout: The rate of dropout on the adapter's input while training.
+
+    Example:
+      >>> from pztrain.finetune import LoraConfig
+      >>> LoraConfig(rank=8, alpha=16.0, targets="attention/(query|value)")
+      LoraConfig(rank=8, alpha=16.0, targets='attention/(query|value)', dropout=0.0)
     """
 
     rank: int
@@ -98,6 +103,16 @@ def add_lora(model: Any, config: LoraConfig, rng: jax.Array) -> Any:
     Raises:
       ValueError: no linear layer's weight name matches ``config.targets``
         (the names are listed).
+
+    Example:
+      >>> import equinox as eqx, jax, optax, pztrain
+      >>> from pztrain.finetune import LoraConfig, add_lora, is_adapter
+      >>> base = {"fc": eqx.nn.Linear(4, 3, key=jax.random.key(0))}
+      >>> model = add_lora(base, LoraConfig(2, 4.0, "fc"), jax.random.key(1))
+      >>> state = pztrain.TrainState.initial_state(
+      ...     model, optax.adam(1e-3), jax.random.key(0), trainable=is_adapter)
+      >>> {name: x.shape for name, x in state.params.items()}
+      {'fc/lora_a': (2, 4), 'fc/lora_b': (3, 2)}
     """
     family = partition.family_of(model)
     if family == "penzai_v2":
@@ -202,7 +217,19 @@ def _nnx_add(model: Any, config: LoraConfig, rng: jax.Array) -> Any:
 def merge_lora(model: Any) -> Any:
     """``model`` with each adapter merged into its base weight (in the base's
     dtype) and removed: the structure `add_lora` was given, ready for
-    `export_pretrained`. A zero adapter leaves the weight bit for bit."""
+    `export_pretrained`. A zero adapter leaves the weight bit for bit.
+
+    Example:
+      >>> import equinox as eqx, jax, jax.numpy as jnp
+      >>> from pztrain.finetune import LoraConfig, add_lora, merge_lora
+      >>> base = {"fc": eqx.nn.Linear(4, 3, key=jax.random.key(0))}
+      >>> model = add_lora(base, LoraConfig(2, 4.0, "fc"), jax.random.key(1))
+      >>> merged = merge_lora(model)
+      >>> type(merged["fc"]).__name__
+      'Linear'
+      >>> bool(jnp.all(merged["fc"].weight == base["fc"].weight))
+      True
+    """
     family = partition.family_of(model)
     if family == "penzai_v2":
         return _penzai_merge(model)

@@ -34,7 +34,16 @@ _FIELD = re.compile(r"\{([A-Za-z_]\w*)\}")
 
 class MappingError(ValueError):
     """A mapping that does not fit a checkpoint or a model: the rule, tensor or
-    name is named, and nothing has been read or written."""
+    name is named, and nothing has been read or written.
+
+    Example:
+      >>> from pztrain.finetune import MappingError, Rule
+      >>> try:
+      ...     Rule("layers.{i}.weight", "w")
+      ... except MappingError as e:
+      ...     print(str(e)[:56])
+      Rule 'layers.{i}.weight' -> 'w': both templates need the
+    """
 
 
 def _compile(template: str) -> re.Pattern:
@@ -60,6 +69,15 @@ class Rule:
         .weight"``).
       target: The param name template with the same fields.
       transforms: `Transpose`, `SplitAxis`, `MergeAxes`, `Slice`, applied in order.
+
+    Example:
+      >>> from pztrain.finetune import Rule, Transpose
+      >>> rule = Rule("model.layers.{i}.mlp.up_proj.weight", "block_{i}/up",
+      ...             (Transpose((1, 0)),))
+      >>> rule.to_target("model.layers.7.mlp.up_proj.weight")
+      'block_7/up'
+      >>> rule.to_source("block_2/up")
+      'model.layers.2.mlp.up_proj.weight'
     """
 
     source: str

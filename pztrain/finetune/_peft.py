@@ -122,6 +122,19 @@ def export_peft(
     Raises:
       MappingError: an adapted weight the mapping does not map back (adapters
         of another base), or one without a PEFT layout; nothing is written.
+
+    Example:
+      >>> import tempfile, json, equinox as eqx, jax
+      >>> from pztrain.finetune import (LoraConfig, Rule, WeightMapping, add_lora,
+      ...                               export_peft)
+      >>> base = {"q_proj": eqx.nn.Linear(4, 4, key=jax.random.key(0))}
+      >>> model = add_lora(base, LoraConfig(2, 4.0, "q_proj"), jax.random.key(1))
+      >>> mapping = WeightMapping([Rule("layers.0.q_proj.{p}", "q_proj/{p}")])
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     path = export_peft(d, model, mapping)
+      ...     config = json.loads((path / "adapter_config.json").read_text())
+      >>> config["r"], config["lora_alpha"], config["target_modules"]
+      (2, 4.0, ['q_proj'])
     """
     modules = _modules(model, mapping)
     params = model_params(model)[0]
@@ -167,6 +180,20 @@ def load_peft(path: str | os.PathLike, model: Any, mapping: WeightMapping) -> An
       ValueError: a config that is not LoRA, or whose rank, alpha or adapted
         modules differ from the model's (both named); checked before any
         tensor is read.
+
+    Example:
+      >>> import tempfile, equinox as eqx, jax, jax.numpy as jnp
+      >>> from pztrain.finetune import (LoraConfig, Rule, WeightMapping, add_lora,
+      ...                               export_peft, load_peft)
+      >>> base = {"q_proj": eqx.nn.Linear(4, 4, key=jax.random.key(0))}
+      >>> lora = LoraConfig(2, 4.0, "q_proj")
+      >>> mapping = WeightMapping([Rule("layers.0.q_proj.{p}", "q_proj/{p}")])
+      >>> trained = add_lora(base, lora, jax.random.key(1))
+      >>> fresh = add_lora(base, lora, jax.random.key(2))
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     loaded = load_peft(export_peft(d, trained, mapping), fresh, mapping)
+      >>> bool(jnp.all(loaded["q_proj"].lora_a == trained["q_proj"].lora_a))
+      True
     """
     folder = Path(path)
     config = json.loads((folder / CONFIG).read_text())

@@ -36,7 +36,16 @@ Box = tuple[tuple[int, int], ...]  # a (start, stop) range per axis
 
 
 class TransformError(ValueError):
-    """A transform that does not fit a tensor's shape."""
+    """A transform that does not fit a tensor's shape.
+
+    Example:
+      >>> from pztrain.finetune import SplitAxis, TransformError
+      >>> try:
+      ...     SplitAxis(0, (2, -1)).shape((3, 4))
+      ... except TransformError as e:
+      ...     print(e)
+      SplitAxis(axis=0, sizes=(2, -1)) does not fit an axis of 3
+    """
 
 
 def _whole(box: Box, shape: Sequence[int], axes: range) -> bool:
@@ -46,7 +55,13 @@ def _whole(box: Box, shape: Sequence[int], axes: range) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Transpose:
     """``target = source.transpose(axes)``: ``Transpose((1, 0))`` for a
-    PyTorch ``Linear`` weight stored ``(out, in)`` into a JAX ``(in, out)``."""
+    PyTorch ``Linear`` weight stored ``(out, in)`` into a JAX ``(in, out)``.
+
+    Example:
+      >>> from pztrain.finetune import Transpose
+      >>> Transpose((1, 0)).shape((8, 4))
+      (4, 8)
+    """
 
     axes: tuple[int, ...]
 
@@ -75,7 +90,13 @@ class Transpose:
 class SplitAxis:
     """Splits source axis ``axis`` into ``sizes`` (one may be ``-1``) in
     row-major order: ``SplitAxis(0, (heads, -1))`` makes ``(heads * head_dim,
-    embed)`` into ``(heads, head_dim, embed)``."""
+    embed)`` into ``(heads, head_dim, embed)``.
+
+    Example:
+      >>> from pztrain.finetune import SplitAxis
+      >>> SplitAxis(0, (4, -1)).shape((32, 16))
+      (4, 8, 16)
+    """
 
     axis: int
     sizes: tuple[int, ...]
@@ -112,7 +133,13 @@ class SplitAxis:
 @dataclasses.dataclass(frozen=True)
 class MergeAxes:
     """Merges the source axes from ``axis`` on, of sizes ``sizes``, into one
-    (the inverse of `SplitAxis`)."""
+    (the inverse of `SplitAxis`).
+
+    Example:
+      >>> from pztrain.finetune import MergeAxes
+      >>> MergeAxes(0, (4, 8)).shape((4, 8, 16))
+      (32, 16)
+    """
 
     axis: int
     sizes: tuple[int, ...]
@@ -145,7 +172,13 @@ class MergeAxes:
 class Slice:
     """``target = source[start:stop]`` along ``axis``: one part of a fused
     tensor (``Slice(0, 0, 64)``: the query rows of a ``qkv_proj``). On export
-    the parts are written back side by side; they must cover the fused tensor."""
+    the parts are written back side by side; they must cover the fused tensor.
+
+    Example:
+      >>> from pztrain.finetune import Slice
+      >>> Slice(0, 0, 64).shape((192, 64))  # the query third of a qkv_proj
+      (64, 64)
+    """
 
     axis: int
     start: int
