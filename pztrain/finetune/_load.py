@@ -91,10 +91,9 @@ def load_pretrained(
     """Reads a checkpoint in Hugging Face's layout into a model like ``like``.
 
     Every name, shape and dtype is checked against ``mapping`` before any
-    tensor is read. Each array goes onto its sharding (``shardings[name]``, else
-    the sharding of ``like``'s array, else the default device), and each
-    process reads, through ``safetensors``' sliced reads, only the box of each
-    tensor its devices hold, once. Needs ``pztrain[safetensors]``.
+    tensor is read. Each array goes onto its sharding, and each process reads
+    (``safetensors``' sliced reads) only the box of each tensor its devices
+    hold, once. Needs ``pztrain[safetensors]``.
 
     Args:
       path: A directory holding ``model.safetensors`` or shards and
@@ -105,9 +104,9 @@ def load_pretrained(
       mapping: The architecture's `WeightMapping`.
       dtype: The floating dtype to load as (``jnp.bfloat16`` for a frozen
         base); ``None``: each target's own.
-      shardings: Param name → sharding, for params to place elsewhere than
-        ``like``'s arrays are.
-      partial: Allow params no tensor fills (they keep ``like``'s values) and
+      shardings: Param name → sharding (default: the sharding of ``like``'s
+        array, else the default device).
+      partial: Allow params no tensor fills (kept as ``like`` has them) and
         tensors no rule matches (reported, not read).
 
     Returns:
@@ -131,21 +130,15 @@ def load_pretrained(
       Array([[0, 2, 4],
              [1, 3, 5]], dtype=bfloat16)
     """
-    files = checkpoint_files(path)
-    targets, rebuild = model_params(like)
+    files, (targets, rebuild) = checkpoint_files(path), model_params(like)
     want = {n: (tuple(np.shape(x)), _dtype(x, dtype)) for n, x in targets.items()}
     where = str(files.where)
     entries, missing, unexpected = plan_import(mapping, files.header, want, where)
     if (missing or unexpected) and not partial:
         raise _unmatched(mapping, where, missing, unexpected)
     loaded = _read_all(files, entries, targets, want, shardings or {})
-    report = ImportReport(
-        where,
-        {e.target: e.source for e in entries},
-        missing,
-        unexpected,
-        files.bytes_read,
-    )
+    loaded_from = {e.target: e.source for e in entries}
+    report = ImportReport(where, loaded_from, missing, unexpected, files.bytes_read)
     return rebuild({**targets, **loaded}), report
 
 

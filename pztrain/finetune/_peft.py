@@ -137,7 +137,19 @@ def export_peft(
       (2, 4.0, ['q_proj'])
     """
     modules = _modules(model, mapping)
-    params = model_params(model)[0]
+    tensors, r = _peft_tensors(modules, model_params(model)[0])
+    config = _peft_config(modules, r, base_model_name_or_path)
+    if jax.process_index() == 0:
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file = safetensors_module().numpy.save_file
+        save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+        (folder / CONFIG).write_text(json.dumps(config, indent=2))
+    return Path(path)
+
+
+def _peft_tensors(modules: list, params: dict) -> tuple[dict[str, np.ndarray], int]:
+    """The factors in PEFT's names and layout, and their one rank."""
     with jax.transfer_guard_device_to_host("allow"):
         host = {n: np.asarray(jax.device_get(x)) for n, x in params.items()}
     tensors, ranks = {}, set()
@@ -149,27 +161,23 @@ def export_peft(
             fa, fb = fa.reshape(-1, r).T, fb.reshape(r, -1).T
         tensors[f"{_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(fa)
         tensors[f"{_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(fb)
-    r = _one(ranks, "rank", "PEFT's config holds one rank.")
+    return tensors, _one(ranks, "rank", "PEFT's config holds one rank.")
+
+
+def _peft_config(modules: list, r: int, base: str) -> dict[str, Any]:
     alpha = _one({round(a.scale * r, 6) for a, _, _ in modules}, "alpha", "")
-    config = {
+    return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": r,
         "lora_alpha": alpha,
         "lora_dropout": max(a.dropout for a, _, _ in modules),
         "target_modules": sorted({m.rsplit(".", 1)[-1] for _, m, _ in modules}),
-        "base_model_name_or_path": base_model_name_or_path,
+        "base_model_name_or_path": base,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
     }
-    if jax.process_index() == 0:
-        folder = Path(path)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file = safetensors_module().numpy.save_file
-        save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
-        (folder / CONFIG).write_text(json.dumps(config, indent=2))
-    return Path(path)
 
 
 def load_peft(path: str | os.PathLike, model: Any, mapping: WeightMapping) -> Any:
