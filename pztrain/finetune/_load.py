@@ -110,35 +110,35 @@ def load_pretrained(
         tensors no rule matches (reported, not read).
 
     Returns:
-      ``(model, report)``: ``like`` with the loaded arrays, and an `ImportReport`.
+      ``(model, report)``: ``like`` with the loaded arrays, an `ImportReport`.
 
     Raises:
-      MappingError: see `plan_import`; without ``partial``, params left
-        unfilled or tensors left unread (both listed).
+      MappingError: a rule matching nothing, two tensors onto one param, a
+        shape no transform fits (both shapes named), a float into an integer;
+        without ``partial``, params unfilled or tensors unread (listed).
       FileNotFoundError: no checkpoint, or a shard the index names is missing.
 
     Example:
       >>> import tempfile, numpy as np, jax.numpy as jnp, safetensors.numpy
       >>> from pztrain.finetune import Rule, Transpose, WeightMapping, load_pretrained
       >>> mapping = WeightMapping([Rule("fc.weight", "w", (Transpose((1, 0)),))])
+      >>> w = np.arange(6, dtype=np.float32).reshape(3, 2)
       >>> with tempfile.TemporaryDirectory() as d:
-      ...     tensors = {"fc.weight": np.arange(6, dtype=np.float32).reshape(3, 2)}
-      ...     safetensors.numpy.save_file(tensors, d + "/model.safetensors")
-      ...     params, report = load_pretrained(d, {"w": jnp.zeros((2, 3))}, mapping,
-      ...                                      dtype=jnp.bfloat16)
+      ...     safetensors.numpy.save_file({"fc.weight": w}, d + "/model.safetensors")
+      ...     params, _ = load_pretrained(d, {"w": jnp.zeros((2, 3))}, mapping,
+      ...                                 dtype=jnp.bfloat16)
       >>> params["w"]
       Array([[0, 2, 4],
              [1, 3, 5]], dtype=bfloat16)
     """
     files, (targets, rebuild) = checkpoint_files(path), model_params(like)
     want = {n: (tuple(np.shape(x)), _dtype(x, dtype)) for n, x in targets.items()}
-    where = str(files.where)
-    entries, missing, unexpected = plan_import(mapping, files.header, want, where)
-    if (missing or unexpected) and not partial:
-        raise _unmatched(mapping, where, missing, unexpected)
+    entries, missing, unexpected = _plan(files, mapping, want, partial)
     loaded = _read_all(files, entries, targets, want, shardings or {})
     loaded_from = {e.target: e.source for e in entries}
-    report = ImportReport(where, loaded_from, missing, unexpected, files.bytes_read)
+    report = ImportReport(
+        str(files.where), loaded_from, missing, unexpected, files.bytes_read
+    )
     return rebuild({**targets, **loaded}), report
 
 
@@ -153,13 +153,17 @@ def _read_all(files, entries, targets, want, shardings) -> dict[str, jax.Array]:
     return loaded
 
 
-def _unmatched(mapping: Any, where: str, missing: Any, unexpected: Any) -> MappingError:
-    return MappingError(
-        f"{mapping.name} mapping and {where} do not match: params no tensor "
-        f"fills {list(missing)[:8]}, tensors no rule reads "
-        f"{list(unexpected)[:8]}. Add rules, or pass partial=True to load what "
-        "matches (the report lists the rest)."
-    )
+def _plan(files: Any, mapping: WeightMapping, want: Any, partial: bool) -> tuple:
+    where = str(files.where)
+    entries, missing, unexpected = plan_import(mapping, files.header, want, where)
+    if (missing or unexpected) and not partial:
+        raise MappingError(
+            f"{mapping.name} mapping and {where} do not match: params no tensor "
+            f"fills {list(missing)[:8]}, tensors no rule reads "
+            f"{list(unexpected)[:8]}. Add rules, or pass partial=True to load what "
+            "matches (the report lists the rest)."
+        )
+    return entries, missing, unexpected
 
 
 def _dtype(x: Any, dtype: Any) -> np.dtype:
