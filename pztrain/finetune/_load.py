@@ -98,9 +98,8 @@ def load_pretrained(
     Args:
       path: A directory holding ``model.safetensors`` or shards and
         ``model.safetensors.index.json``; or one of those files.
-      like: The model to fill (penzai v2 or v1, equinox, Flax NNX, or a dict of
-        arrays), concrete or abstract (``jax.eval_shape``). Its float arrays
-        are the targets, frozen penzai parameters included.
+      like: The model to fill (penzai v2 or v1, equinox, Flax NNX, a dict of
+        arrays), concrete or abstract: its float arrays, frozen ones included.
       mapping: The architecture's `WeightMapping`.
       dtype: The floating dtype to load as (``jnp.bfloat16`` for a frozen
         base); ``None``: each target's own.
