@@ -13,6 +13,7 @@ rules may read one fused tensor, each its `Slice`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,6 +47,7 @@ class MappingError(ValueError):
     """
 
 
+@functools.cache
 def _compile(template: str) -> re.Pattern:
     parts, last = [], 0
     for m in _FIELD.finditer(template):
