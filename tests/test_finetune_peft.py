@@ -170,3 +170,34 @@ def pztrain_transpose():
     from pztrain.finetune import Transpose
 
     return Transpose((1, 0))
+
+
+def test_dropout_acts_while_training_and_is_written_to_the_config(tmp_path):
+    import equinox as eqx
+
+    base = {"proj": eqx.nn.Linear(4, 6, key=jax.random.key(0))}
+    lora = LoraConfig(2, 2.0, "proj/weight", dropout=0.5)
+    model = _with_random_adapters(add_lora(base, lora, jax.random.key(1)))
+    x = jnp.ones(4)
+    plain, dropped = model["proj"](x), model["proj"](x, key=jax.random.key(2))
+    assert not np.allclose(plain, dropped)
+    np.testing.assert_array_equal(model["proj"](x), plain)  # no key: no dropout
+    mapping = WeightMapping([Rule("proj.{p}", "proj/{p}")])
+    export_peft(tmp_path, model, mapping)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["lora_dropout"] == 0.5
+
+
+def test_penzai_dropout_reads_the_random_stream(llama):
+    from penzai import pz
+
+    lora = LoraConfig(2, 4.0, "attention/query", dropout=0.5)
+    model = pz.freeze_params(_with_random_adapters(_lora_llama(llama[0], lora)))
+    tokens = pz.nx.wrap(jnp.array([1, 5, 2, 9])).tag("seq")
+
+    def run(seed):
+        stream = pz.RandomStream.from_base_key(jax.random.key(seed))
+        return model(tokens, random_stream=stream).unwrap("seq", "vocabulary")
+
+    np.testing.assert_array_equal(run(0), run(0))
+    assert not np.allclose(run(0), run(1))  # a mask drawn from the stream
