@@ -291,3 +291,27 @@ def test_a_box_of_the_target_reads_only_its_rows_of_the_source():
     box = ((0, 16), (0, 2), (0, 2), (0, 2))  # half of each head: rows apart
     boxes, got = read_plan(rule.transforms, shapes, box)
     assert boxes[0] == ((0, 16), (0, 16)) and got == everything
+
+
+def test_a_penzai_v1_model_round_trips(tmp_path):
+    from models import penzai_v1_mlp
+
+    rng = np.random.default_rng(4)
+    tensors = {
+        "fc0.weight": rng.normal(size=(16, 2)).astype(np.float32),
+        "fc0.bias": rng.normal(size=(16,)).astype(np.float32),
+        "fc1.weight": rng.normal(size=(2, 16)).astype(np.float32),
+        "fc1.bias": rng.normal(size=(2,)).astype(np.float32),
+    }
+    path = _one(tmp_path, tensors)
+    mapping = WeightMapping(
+        [
+            Rule("fc{i}.weight", "Affine_{i}.Linear.weights", (Transpose((1, 0)),)),
+            Rule("fc{i}.bias", "Affine_{i}.AddBias.bias"),
+        ]
+    )
+    model, report = load_pretrained(path, penzai_v1_mlp(seed=3), mapping)
+    assert len(report.loaded) == 4
+    export_pretrained(tmp_path / "out", model, mapping)
+    out = safetensors.numpy.load_file(str(tmp_path / "out/model.safetensors"))
+    assert all(out[n].tobytes() == x.tobytes() for n, x in tensors.items())
