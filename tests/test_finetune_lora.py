@@ -270,3 +270,21 @@ def test_nnx_lora_trains_and_merges_back(tmp_path):
     export_pretrained(tmp_path / "out", merge_lora(model), mapping)
     out = safetensors.numpy.load_file(str(tmp_path / "out/model.safetensors"))
     assert all(out[n].tobytes() == x.tobytes() for n, x in tensors.items())
+
+
+@pytest.mark.slow  # compiles and trains for seconds
+def test_an_ema_of_the_adapters_alone(llama, tmp_path):
+    base, _ = load_pretrained(llama[0], abstract_llama(), MAPPING, dtype=jnp.bfloat16)
+    model = add_lora(base, LORA, jax.random.key(1))
+    tx = pztrain.with_ema(optax.adam(3e-2), 0.9)
+    state = pztrain.TrainState.initial_state(
+        model, tx, jax.random.key(0), trainable=is_adapter
+    )
+    step = pztrain.build_train_step(lm_loss)
+    for _ in range(3):
+        state, _ = step(state, tokens=TOKENS)
+    ema = pztrain.ema.ema_params_of(state.opt_state)
+    assert set(ema) == set(state.params)
+    assert all(x.dtype == jnp.float32 for x in ema.values())
+    path = pztrain.save_params(tmp_path / "ema", state, ema=True)
+    assert set(pztrain.read_metadata(path)["params"]["names"]) == set(state.params)
