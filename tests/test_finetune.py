@@ -47,6 +47,7 @@ def llama(tmp_path_factory):
     return folder, write_llama(folder)
 
 
+@pytest.mark.slow  # runs the penzai transformer un-jitted (seconds)
 def test_llama_import_matches_a_numpy_llama(llama):
     folder, tensors = llama
     model, report = load_pretrained(folder, abstract_llama(), MAPPING)

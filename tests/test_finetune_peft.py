@@ -188,6 +188,7 @@ def test_dropout_acts_while_training_and_is_written_to_the_config(tmp_path):
     assert config["lora_dropout"] == 0.5
 
 
+@pytest.mark.slow  # runs the penzai transformer un-jitted (seconds)
 def test_penzai_dropout_reads_the_random_stream(llama):
     from penzai import pz
 
