@@ -99,8 +99,10 @@ autodoc_default_options = {"members": True, "show-inheritance": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
-# The copy button copies the code, without ">>> " and "... " prompts or outputs.
-copybutton_prompt_text = r">>> |\.\.\. "
+# The copy button copies the code, without ">>> " and "... " prompts or outputs;
+# a bare "..." (the blank line that ends a def/for/with block in a docstring's
+# example) is copied as a blank line, which the REPL needs: tests/test_repl_paste.py.
+copybutton_prompt_text = r">>> |\.\.\. |\.\.\.$"
 copybutton_prompt_is_regexp = True
 copybutton_selector = "div:not(.output) > div.highlight pre"  # code, not outputs
 

@@ -102,6 +102,7 @@ class LoopInfo:
       ...     def on_train_start(self, state, info):
       ...         print(f"steps {info.start_step}-{info.end_step}, "
       ...               f"{info.end_step // info.log_every} log points")
+      ...
       >>> info = LoopInfo(start_step=0, end_step=1000, steps_per_epoch=100,
       ...                 steps_per_call=1, log_every=100, evaluates=False,
       ...                 run_dir=None)
@@ -237,6 +238,7 @@ class History:
 
           A population's history: one line per member, and the mean.
 
+          >>> import matplotlib.pyplot as plt; from pztrain import History
           >>> pop = History([{"step": s, "split": "train", "metrics": {
           ...     "loss": 1.5 / s, "loss/member_0": 1.0 / s, "loss/member_1": 2.0 / s}}
           ...     for s in (1, 2)])

@@ -62,11 +62,13 @@ class PopulationBasedTraining(Callback):
       ...     w = jax.random.normal(jax.random.key(seed), (2,))
       ...     key = jax.random.key(seed)
       ...     return pztrain.TrainState.initial_state({"w": w}, tx, key)
+      ...
       >>> pop = pztrain.make_population(init, seeds=range(4),
       ...                               learning_rate=[1e-3, 1e-2, 1e-1, 3e-1])
       >>> def loss_fn(*, model, state, rng, x):
       ...     loss = jnp.mean((x @ model["w"] - 1.0) ** 2)
       ...     return loss, state, {}
+      ...
       >>> pbt = PopulationBasedTraining("loss", fraction=0.25, seed=0)
       >>> data = pztrain.ArrayLoader({"x": np.ones((32, 2), np.float32)}, batch_size=8)
       >>> pop, history = pztrain.fit(pop, pztrain.build_train_step(loss_fn), data,
