@@ -230,20 +230,28 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
             "    assert jnp.allclose(one.params[name], fused.params[name], atol=1e-5)",
         ),
         (
-            "state = state.with_hyperparams(learning_rate=1e-3)",
-            'assert abs(float(state.hyperparams["learning_rate"]) - 1e-3) < 1e-9',
+            "state0 = state0.with_hyperparams(learning_rate=1e-3)",
+            'assert abs(float(other.hyperparams["learning_rate"]) - 1e-3) < 1e-9\n'
+            'assert abs(float(trial.hyperparams["learning_rate"]) - 1e-2) < 1e-9\n'
+            "assert int(state.step) == 300  # the trained state, left alone",
         ),
         (
             "print(state.summary())",
             # The summary fits 100 columns; treescope's view 80, but a line of one
-            # item that treescope does not break.
+            # item that treescope does not break (a fresh state's view: the trained
+            # one's small arrays are written out in full, over several lines).
             "import re, treescope\n"
             "assert max(map(len, str(state.summary()).splitlines())) <= 100\n"
-            "for line in treescope.render_to_text(state).splitlines():\n"
+            "for line in treescope.render_to_text(fresh()).splitlines():\n"
             "    one_item = re.match(\n"
             "        r\" *('[^']*'|\\w+)(: |=)(<|# )(jax\\.Array|function)\\b\", line\n"
             "    )\n"
-            "    assert len(line) <= 80 or one_item, line",
+            "    assert len(line) <= 80 or one_item, line\n"
+            "assert int(state.step) == 300  # the trained model's summary",
+        ),
+        (
+            "print(sums.read().means)  # one read: {'loss': ...}",
+            'assert float(sums.read().means["loss"]) < 0.05  # trained, not fresh',
         ),
     ],
     "stops.md": [
