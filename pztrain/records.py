@@ -213,7 +213,9 @@ class History:
         named in ``names`` brings its EMA's line, and ``"grad_norm"`` the
         per-parameter panel, when they were logged. For a
         population (`pztrain.population`) a metric's panel has a thin line per
-        member (``"loss/member_<i>"``) under its mean, drawn bold.
+        member (``"loss/member_<i>"``) under its mean, drawn bold, in the
+        mean's colour. A series (``train``, ``eval``, ``eval val``, an EMA) has
+        one colour on every panel; each panel's legend sits right of its data.
 
         Args:
           names: Metrics to plot: ``"loss"`` (train and eval) or
@@ -254,24 +256,33 @@ class History:
         cols = min(len(panels), 3) or 1
         rows = -(-len(panels) // cols)
         fig.set_size_inches(4.5 * cols, 3.2 * rows)
+        colours: dict[str, str] = {}  # a series' label -> one colour, every panel
+        for lines in panels.values():
+            for _, name, label in lines:
+                if SPREAD.search(name) is None and label not in colours:
+                    colours[label] = f"C{len(colours) % 10}"
         for i, (title, lines) in enumerate(panels.items()):
-            self._draw(fig.add_subplot(rows, cols, i + 1), title, lines)
+            self._draw(fig.add_subplot(rows, cols, i + 1), title, lines, colours)
         fig.tight_layout()
         return fig
 
-    def _draw(self, ax: Any, title: str, lines: list[tuple[str, str, str]]) -> None:
-        """One panel: its lines (a population's members thin, under the mean)."""
+    def _draw(self, ax: Any, title: str, lines: list, colours: dict) -> None:
+        """One panel: its lines, in their series' colours (a population's
+        members thin, in their mean's), the legend right of the data."""
+        means = {(s, n): label for s, n, label in lines if SPREAD.search(n) is None}
         for s, name, label in lines:
             member = SPREAD.search(name) is not None
+            mean = means.get((s, SPREAD.sub("", name))) if member else label
             ax.plot(
                 *self.series(name, s),
                 label=label,
+                color=colours.get(mean),
                 marker="." if s == "eval" and not member else "",
                 **(_MEMBER_LINE if member else {}),
             )
         ax.set_title(title)
         ax.set_xlabel("step")
-        ax.legend()
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 
     def _panels(self, names, split) -> dict[str, list[tuple[str, str, str]]]:
         """Panel title → its lines: ``(split, metric name, label)``."""

@@ -92,10 +92,21 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
             "assert steps == [20] * 3 + [40] * 3",
         ),
         (
+            'print("trained state:", pztrain.evaluate(state, eval_step, valid_loader))',
+            "trained = pztrain.evaluate(state, eval_step, valid_loader)\n"
+            "fresh = pztrain.TrainState.initial_state(model, optax.identity(), "
+            "jax.random.key(0))\n"
+            "untrained = pztrain.evaluate(fresh, eval_step, valid_loader)\n"
+            'assert trained["accuracy"] > 0.5 > 0.2 > untrained["accuracy"]',
+        ),
+        (
             "pztrain.evaluate(model, eval_step, valid_loader)  # a model",
-            "import sys\n"
-            "assert isinstance(sys.last_value, TypeError)\n"
-            'assert "initial_state(model, optax.identity()" in str(sys.last_value)',
+            "try:\n"
+            "    pztrain.evaluate(model, eval_step, valid_loader)\n"
+            "except TypeError as e:\n"
+            '    assert "initial_state(model, optax.identity()" in str(e)\n'
+            "else:\n"
+            '    raise AssertionError("no TypeError")',
         ),
     ],
     "loss_and_models.md": [
