@@ -25,6 +25,12 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
             "assert report.left == left",
         ),
         ("num_steps=250,", "assert int(state.step) == 250"),
+        (
+            'pztrain.Evaluation("valid", eval_step, valid_loader),',
+            'assert [r["step"] for r in job_history.records] == [150, 200, 250]\n'
+            "losses = [r['metrics']['valid/loss'] for r in job_history.records]\n"
+            "assert losses == sorted(losses, reverse=True)",
+        ),
     ],
     "data.md": [
         (
