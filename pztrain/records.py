@@ -206,16 +206,14 @@ class History:
     ) -> Any:
         """Plots metrics against steps with matplotlib (optional extra ``plot``).
 
-        One axes per metric: a train metric and the eval metrics of the same name
-        share one (the EMA's, ``"ema/<name>"``, and `pztrain.Evaluation` s'), the
-        learning rate has its own, and the per-parameter grad norms
-        (``"grad_norm/<param>"``) share one, a line per parameter. A metric
-        named in ``names`` brings its EMA's line, and ``"grad_norm"`` the
-        per-parameter panel, when they were logged. For a
-        population (`pztrain.population`) a metric's panel has a thin line per
-        member (``"loss/member_<i>"``) under its mean, drawn bold, in the
-        mean's colour. A series (``train``, ``eval``, ``eval val``, an EMA) has
-        one colour on every panel; each panel's legend sits right of its data.
+        One axes per metric: a train metric and the eval metrics of the same name share
+        one (the EMA's, ``"ema/<name>"``, and `pztrain.Evaluation` s'), the learning
+        rate has its own, and the per-parameter grad norms (``"grad_norm/<param>"``)
+        share one, a line per parameter. A metric named in ``names`` brings its EMA's
+        line, and ``"grad_norm"`` the per-parameter panel, when they were logged. For a
+        population (`pztrain.population`) a metric's panel has a thin line per member
+        (``"loss/member_<i>"``) under its mean, drawn bold. Each series (train, an
+        evaluation, an EMA) has one colour on every panel.
 
         Args:
           names: Metrics to plot: ``"loss"`` (train and eval) or
@@ -233,10 +231,9 @@ class History:
           >>> import matplotlib; matplotlib.use("Agg"); from pztrain import History
           >>> h = History([{"step": 1, "split": "train", "metrics": {"loss": 1.0}},
           ...              {"step": 1, "split": "eval", "metrics": {"loss": 2.0}}])
-          >>> fig = h.plot()
-          >>> [ax.get_title() for ax in fig.axes]
+          >>> [ax.get_title() for ax in h.plot().axes]
           ['loss']
-          >>> import matplotlib.pyplot as plt; plt.close(fig)
+          >>> import matplotlib.pyplot as plt; plt.close("all")
 
           A population's history: one line per member, and the mean.
 
@@ -244,10 +241,9 @@ class History:
           >>> pop = History([{"step": s, "split": "train", "metrics": {
           ...     "loss": 1.5 / s, "loss/member_0": 1.0 / s, "loss/member_1": 2.0 / s}}
           ...     for s in (1, 2)])
-          >>> fig = pop.plot()
-          >>> [line.get_label() for line in fig.axes[0].lines]
+          >>> [line.get_label() for line in pop.plot().axes[0].lines]
           ['train members', '_nolegend_', 'train']
-          >>> plt.close(fig)
+          >>> plt.close("all")
         """
         plt = _pyplot()
         panels = self._panels(names, split)
@@ -256,11 +252,7 @@ class History:
         cols = min(len(panels), 3) or 1
         rows = -(-len(panels) // cols)
         fig.set_size_inches(4.5 * cols, 3.2 * rows)
-        colours: dict[str, str] = {}  # a series' label -> one colour, every panel
-        for lines in panels.values():
-            for _, name, label in lines:
-                if SPREAD.search(name) is None and label not in colours:
-                    colours[label] = f"C{len(colours) % 10}"
+        colours = _series_colours(panels)
         for i, (title, lines) in enumerate(panels.items()):
             self._draw(fig.add_subplot(rows, cols, i + 1), title, lines, colours)
         fig.tight_layout()
@@ -330,6 +322,17 @@ class History:
 # metric's own panel, and the progress bar leaves them out.
 SPREAD = re.compile(r"/(member_\d+|min|max)$")
 _MEMBER_LINE = {"linewidth": 0.8, "alpha": 0.45}
+
+
+def _series_colours(panels: dict[str, list[tuple[str, str, str]]]) -> dict[str, str]:
+    """A series' label (``"train"``, ``"eval val"``) -> its one colour on every
+    panel, in the order the series first appear."""
+    colours: dict[str, str] = {}
+    for lines in panels.values():
+        for _, name, label in lines:
+            if SPREAD.search(name) is None and label not in colours:
+                colours[label] = f"C{len(colours) % 10}"
+    return colours
 
 
 def _with_companions(

@@ -60,9 +60,8 @@ def evaluate(
         `pztrain.fit` for signals).
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, pztrain
       >>> from pztrain import evaluate, TrainState
-      >>> import numpy as np, optax, pztrain
       >>> def eval_fn(*, model, state, rng, x):
       ...     return {"mean": jnp.mean(x * model["w"])}
       ...
