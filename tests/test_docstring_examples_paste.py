@@ -57,7 +57,8 @@ def examples() -> list[doctest.DocTest]:
     for module in MODULES:
         mod = importlib.import_module(module)
         only_its_own = doctest.DocTestFinder(recurse=False, exclude_empty=True)
-        tests += only_its_own.find(mod, module, globs={}, module=False)
+        found = only_its_own.find(mod, module, globs={}, module=False)
+        tests += [test for test in found if test.examples]
     for full, obj in public_objects().items():
         for test in finder.find(obj, full, globs={}, module=False):
             if test.examples and test.name.startswith(full):
