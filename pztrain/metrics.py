@@ -54,6 +54,7 @@ class Summary(NamedTuple):
       >>> sums, add = MetricSums.zeros(["loss"]), jax.jit(MetricSums.add)
       >>> for step, loss in enumerate([1.0, 3.0]):  # as a step adds them, jitted
       ...     sums = add(sums, jnp.float32(loss), {}, jnp.int32(step))
+      ...
       >>> sums.read()  # doctest: +NORMALIZE_WHITESPACE
       Summary(means={'loss': 2.0}, count=2, nonfinite=0, first_nonfinite_step=-1,
               nonfinite_members=())
@@ -245,6 +246,7 @@ class EvalSums:
       >>> sums = EvalSums()
       >>> for x in (jnp.arange(4.0), jnp.arange(4.0, 6.0)):  # batches of 4 and 2
       ...     sums = sums.add({"mean": x.mean(), "top": Max.of(x)}, len(x))
+      ...
       >>> sums.read()
       {'mean': 2.5, 'top': 5.0}
     """

@@ -23,10 +23,12 @@ and `pztrain.fit` logs each metric's mean, min, max and per-member values
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, pztrain
+  >>> from pztrain.population import make_population, member, population_size
   >>> def init(seed):
   ...     w = jax.random.normal(jax.random.key(seed), (3,))
   ...     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
   ...     return pztrain.TrainState.initial_state({"w": w}, tx, jax.random.key(seed))
+  ...
   >>> pop = make_population(init, seeds=range(4),
   ...                       learning_rate=[0.01, 0.03, 0.1, 0.3])
   >>> population_size(pop), pop.params["w"].shape, pop.step.shape
@@ -34,9 +36,11 @@ Example:
   >>> def loss_fn(*, model, state, rng, x):
   ...     loss = jnp.mean((x @ model["w"] - 1.0) ** 2)
   ...     return loss, state, {"loss": loss}
+  ...
   >>> train_step = pztrain.build_train_step(loss_fn)
   >>> for _ in range(20):
   ...     pop, aux = train_step(pop, x=jnp.ones((8, 3)))
+  ...
   >>> aux["loss"].shape  # one loss per member
   (4,)
   >>> best = member(pop, int(jnp.argmin(aux["loss"])))  # an ordinary TrainState
@@ -102,6 +106,7 @@ def population_size(state: TrainState) -> int | None:
       >>> def init(seed):
       ...     return pztrain.TrainState.initial_state(
       ...         {"w": jnp.zeros(2)}, optax.sgd(0.1), jax.random.key(seed))
+      ...
       >>> population_size(init(0)), population_size(make_population(init, seeds=[1, 2]))
       (None, 2)
     """
@@ -242,6 +247,7 @@ def member(state: TrainState, i: int) -> TrainState:
       >>> def init(seed):
       ...     return pztrain.TrainState.initial_state(
       ...         {"w": jnp.full(2, float(seed))}, optax.sgd(0.1), jax.random.key(seed))
+      ...
       >>> pop = make_population(init, seeds=[5, 6, 7])
       >>> one = member(pop, 1)
       >>> one.params["w"].tolist(), pztrain.population_size(one)
@@ -269,6 +275,7 @@ def members(state: TrainState) -> list[TrainState]:
       >>> def init(seed):
       ...     return pztrain.TrainState.initial_state(
       ...         {"w": jnp.full(2, float(seed))}, optax.sgd(0.1), jax.random.key(seed))
+      ...
       >>> pop = make_population(init, seeds=[3, 4])
       >>> [float(m.params["w"][0]) for m in members(pop)]
       [3.0, 4.0]
@@ -322,6 +329,7 @@ def make_population(
       ...     w = jax.random.normal(jax.random.key(seed), (4,))
       ...     key = jax.random.key(seed)
       ...     return pztrain.TrainState.initial_state({"w": w}, tx, key)
+      ...
       >>> pop = make_population(init, seeds=range(3), learning_rate=[0.5, 0.25, 0.125])
       >>> pop.hyperparams["learning_rate"].tolist()
       [0.5, 0.25, 0.125]
@@ -352,6 +360,7 @@ def set_member_hyperparams(state: TrainState, **values: Any) -> TrainState:
       ...     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
       ...     return pztrain.TrainState.initial_state(
       ...         {"w": jnp.zeros(2)}, tx, jax.random.key(seed))
+      ...
       >>> pop = make_population(init, seeds=range(2))
       >>> pop = set_member_hyperparams(pop, learning_rate=[0.5, 0.25])
       >>> pop.hyperparams["learning_rate"].tolist()
@@ -395,6 +404,7 @@ def shard_members(state: TrainState, mesh: Mesh, axis: str = "members") -> Train
       >>> def init(seed):
       ...     return pztrain.TrainState.initial_state(
       ...         {"w": jnp.zeros(2)}, optax.sgd(0.1), jax.random.key(seed))
+      ...
       >>> mesh = jax.make_mesh((1,), ("members",))
       >>> pop = shard_members(make_population(init, seeds=range(2)), mesh)
       >>> pop.params["w"].sharding.spec == jax.P("members")

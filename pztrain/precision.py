@@ -268,6 +268,7 @@ def mixed_precision(
       >>> def loss_fn(*, model, state, rng, x, y):
       ...     loss = jnp.mean((x @ model["w"] - y) ** 2)
       ...     return loss, state, {"dtype_ok": loss.dtype == jnp.bfloat16}
+      ...
       >>> mp_loss = pztrain.mixed_precision(loss_fn, "params=f32,compute=bf16")
       >>> state = pztrain.TrainState.initial_state(
       ...     {"w": jnp.zeros((3, 1))}, optax.sgd(0.1), jax.random.key(0))

@@ -690,3 +690,19 @@ def test_run_dir_equal_to_the_checkpoint_directory_is_locked_once(tmp_path):
         num_steps=4, log_every=2, run_dir=tmp_path, checkpoints=Checkpoints(tmp_path)
     )
     assert [r["step"] for r in history.records] == [2, 4]
+
+
+def test_the_stop_line_does_not_guess_who_got_jax_s_sigterm():
+    """With several processes, JAX's preemption service holds SIGTERM: the flag
+    learns of the stop with no signal name, whichever process got it (process 0
+    itself too), so the line must not say another process got it."""
+    from pztrain.loop._signals import StopFlag
+    from pztrain.loop._stops import stop_line
+
+    flag = StopFlag()
+    flag.stopped = True
+    line = stop_line(flag, 12, None)
+    assert line.startswith(
+        "pztrain.fit: preempted (SIGTERM to this process or another, through JAX) "
+        "at step 12."
+    )

@@ -54,6 +54,7 @@ class Callback:
       >>> class StopAtLoss(Callback):  # fit(..., callbacks=[StopAtLoss()])
       ...     def on_log(self, state, record):
       ...         return Stop("low") if record["metrics"]["loss"] < 0.1 else None
+      ...
       >>> StopAtLoss().on_log(None, {"step": 5, "metrics": {"loss": 0.05}})
       Stop(reason='low', state=None)
     """

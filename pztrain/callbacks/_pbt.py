@@ -32,7 +32,8 @@ class PopulationBasedTraining(Callback):
     """Population-based training: at every ``every``-th evaluation (or train log
     point), the members ranked worst by ``monitor`` take over the weights and
     optimizer state of members ranked best (exploit), then their injected
-    hyperparameters are multiplied by a factor drawn from ``perturb`` (explore).
+    hyperparameters are multiplied by one of the factors ``perturb`` lists,
+    picked at random (explore).
 
     A replaced member copies everything of its source (params, optimizer
     state, with the source's hyperparameters, loss-function state, the arrays
@@ -51,8 +52,10 @@ class PopulationBasedTraining(Callback):
       mode: ``"min"`` or ``"max"``: which values are best.
       fraction: The share of members replaced (the worst) and copied (the
         best) at each decision, at least one each.
-      perturb: Injected hyperparameter name → factors; each replaced member's
-        value is multiplied by one drawn at random.
+      perturb: Injected hyperparameter name → the factors to choose from (not
+        a range): each replaced member's value is multiplied by one of them,
+        picked at random. Default ``{"learning_rate": (0.8, 1.25)}``: times
+        0.8 or times 1.25, never a factor in between.
       every: Decide at every ``every``-th evaluation (of the monitored one)
         or log point.
       seed: Seeds the draws (sources among the best, factors).
@@ -69,11 +72,13 @@ class PopulationBasedTraining(Callback):
       ...     w = jax.random.normal(jax.random.key(seed), (2,))
       ...     key = jax.random.key(seed)
       ...     return pztrain.TrainState.initial_state({"w": w}, tx, key)
+      ...
       >>> pop = pztrain.make_population(init, seeds=range(4),
       ...                               learning_rate=[1e-3, 1e-2, 1e-1, 3e-1])
       >>> def loss_fn(*, model, state, rng, x):
       ...     loss = jnp.mean((x @ model["w"] - 1.0) ** 2)
       ...     return loss, state, {}
+      ...
       >>> pbt = PopulationBasedTraining("loss", fraction=0.25, seed=0)
       >>> data = pztrain.ArrayLoader({"x": np.ones((32, 2), np.float32)}, batch_size=8)
       >>> pop, history = pztrain.fit(pop, pztrain.build_train_step(loss_fn), data,

@@ -55,6 +55,7 @@ class ProgressBar(Callback):
       >>> class Bar:
       ...     def __init__(self, **kw): self.moves = []
       ...     def update(self, n): self.moves.append(n)
+      ...
       >>> from pztrain.records import LoopInfo
       >>> pb = ProgressBar(make_bar=Bar)  # paced by the clock fit gives it
       >>> info = LoopInfo(start_step=0, end_step=None, steps_per_epoch=None,

@@ -101,6 +101,7 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
       >>> with tempfile.TemporaryDirectory() as d:
       ...     path = save_params(d + "/ckpt", {"w": jnp.ones(2)}, metadata={"lr": 0.1})
       ...     meta = read_metadata(path)
+      ...
       >>> meta["metadata"], meta["params"]["names"], meta["params"]["shapes"]
       ({'lr': 0.1}, ['w'], [[2]])
     """

@@ -64,6 +64,7 @@ class LoadReport:
       ...     like = {"backbone": {"w": jnp.zeros(2)}, "head": jnp.zeros(3)}
       ...     model, report = load_params(path, like, rename={"encoder": "backbone"},
       ...                                 partial=True, return_report=True)
+      ...
       >>> report.loaded, report.left, report.ignored
       ({'backbone/w': 'encoder/w'}, ('head',), ('decoder',))
       >>> print(report)  # doctest: +ELLIPSIS

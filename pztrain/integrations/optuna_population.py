@@ -150,6 +150,7 @@ class PopulationPruning(Callback):
       ...     return {"step": step, "split": "eval", "metrics": {
       ...         "loss": (loss_0 + loss_1) / 2,
       ...         "loss/member_0": loss_0, "loss/member_1": loss_1}}
+      ...
       >>> pruning.on_eval_end(None, evaluated(10, 0.5, 2.0)) is None
       True
       >>> pruning.pruned_steps, [t.state.name for t in study.trials]
@@ -254,6 +255,7 @@ def ask_population(
       >>> study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
       >>> def suggest(trial):
       ...     return {"learning_rate": trial.suggest_float("lr", 1e-3, 1.0, log=True)}
+      ...
       >>> trials, hyperparams = ask_population(study, suggest, members=3)
       >>> [t.number for t in trials], len(hyperparams["learning_rate"])
       ([0, 1, 2], 3)
@@ -389,9 +391,11 @@ def optimize_population(
       ...     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
       ...     model, key = {"w": jax.numpy.zeros(3)}, jax.random.key(seed)
       ...     return pztrain.TrainState.initial_state(model, tx, key)
+      ...
       >>> def loss_fn(*, model, state, rng, x):
       ...     loss = jax.numpy.mean((x @ model["w"] - 1.0) ** 2)
       ...     return loss, state, {"loss": loss}
+      ...
       >>> data = pztrain.ArrayLoader({"x": jax.numpy.ones((32, 3))}, 8)
       >>> study = optuna.create_study()
       >>> runs = pztrain.integrations.optuna_population.optimize_population(

@@ -306,6 +306,7 @@ def log_media(loggers: Iterable[Any], step: int, media: dict[str, Text | Image])
       >>> from pztrain.loggers import Text, log_media
       >>> class Printer:
       ...     def log_media(self, step, media): print(step, media)
+      ...
       >>> log_media([Printer()], 10, {"sample": Text("The cat")})
       10 {'sample': Text(text='The cat')}
     """

@@ -32,6 +32,7 @@ class Logger(Protocol):
       ...     def log_hparams(self, hparams): print("hparams", hparams)
       ...     def log_record(self, record): print(record["step"], record["metrics"])
       ...     def close(self): pass
+      ...
       >>> isinstance(PrintLogger(), Logger)
       True
       >>> PrintLogger().log_record({"step": 10, "metrics": {"loss": 0.5}})

@@ -91,6 +91,7 @@ def evaluate_checkpoints(
       >>> import tempfile, jax, jax.numpy as jnp, numpy as np, optax, pztrain
       >>> def loss_fn(*, model, state, rng, x):
       ...     return jnp.mean((x - model["w"]) ** 2), state, {}
+      ...
       >>> state = pztrain.TrainState.initial_state(
       ...     {"w": jnp.zeros(())}, optax.sgd(0.1), jax.random.key(0))
       >>> d, data = tempfile.mkdtemp(), pztrain.ArrayLoader({"x": np.ones(8)}, 4)

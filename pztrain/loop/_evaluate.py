@@ -60,11 +60,11 @@ def evaluate(
         `pztrain.fit` for signals).
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, pztrain
       >>> from pztrain import evaluate, TrainState
-      >>> import numpy as np, optax, pztrain
       >>> def eval_fn(*, model, state, rng, x):
       ...     return {"mean": jnp.mean(x * model["w"])}
+      ...
       >>> state = TrainState.initial_state({"w": jnp.array(2.0)}, optax.sgd(0.1),
       ...                                  jax.random.key(0))
       >>> data = pztrain.ArrayLoader({"x": np.arange(10.0)}, batch_size=4,

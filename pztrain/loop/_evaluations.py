@@ -71,6 +71,7 @@ class Evaluation:
       >>> import numpy as np, pztrain
       >>> def eval_fn(*, model, state, rng, x):
       ...     return {"mean": (x * model["w"]).mean()}
+      ...
       >>> val = pztrain.Evaluation("val", pztrain.build_eval_step(eval_fn),
       ...                          [{"x": np.ones(4)}], every=100)
       >>> norm = pztrain.Evaluation("norm", lambda state: {"w": state.params["w"]},

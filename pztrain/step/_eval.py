@@ -31,6 +31,7 @@ class EvalFunction(Protocol):
       >>> def eval_fn(*, model, state, rng, x, y):  # an EvalFunction
       ...     err = x * model["w"] - y
       ...     return {"mse": jnp.mean(err**2), "max_err": jnp.max(jnp.abs(err))}
+      ...
       >>> state = TrainState.initial_state({"w": jnp.array(2.0)}, optax.sgd(0.1),
       ...                                  jax.random.key(0))
       >>> m = build_eval_step(eval_fn)(state, x=jnp.ones(2), y=jnp.array([1.0, 4.0]))
@@ -65,6 +66,7 @@ class EvalStep:
       >>> import jax.numpy as jnp, optax
       >>> def eval_fn(*, model, state, rng, x):
       ...     return {"mean": jnp.mean(x * model["w"]), "draw": jax.random.uniform(rng)}
+      ...
       >>> state = TrainState.initial_state({"w": jnp.array(2.0)}, optax.sgd(0.1),
       ...                                  jax.random.key(0))
       >>> eval_step = build_eval_step(eval_fn)
@@ -153,6 +155,7 @@ def build_eval_step(
       >>> import jax, jax.numpy as jnp, optax
       >>> def eval_fn(*, model, state, rng, x):
       ...     return {"mean": jnp.mean(x * model["w"])}
+      ...
       >>> state = TrainState.initial_state({"w": jnp.array(2.0)}, optax.sgd(0.1),
       ...                                  jax.random.key(0))
       >>> float(build_eval_step(eval_fn)(state, x=jnp.ones(3))["mean"])

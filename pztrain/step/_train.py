@@ -97,6 +97,7 @@ class TrainStep:
       >>> def loss_fn(*, model, state, rng, x):
       ...     loss = jnp.mean((x @ model["w"] - 1.0) ** 2)
       ...     return loss, state, {"loss": loss}
+      ...
       >>> s = pztrain.TrainState.initial_state(
       ...     {"w": jnp.zeros(2)}, optax.sgd(0.1), jax.random.key(0))
       >>> train_step = pztrain.build_train_step(loss_fn)
@@ -395,6 +396,7 @@ class TrainStep:
           >>> def loss_fn(*, model, state, rng, x):
           ...     loss = jnp.mean(x @ model["w"])
           ...     return loss, state, {}
+          ...
           >>> state = TrainState.initial_state({"w": jnp.ones((4, 2))},
           ...                                  optax.sgd(0.1), jax.random.key(0))
           >>> cost = build_train_step(loss_fn).cost(state, x=jnp.ones((8, 4)))
