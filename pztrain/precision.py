@@ -239,10 +239,9 @@ def mixed_precision(
     penzai v2 state variables their old dtypes. A Flax NNX model's
     ``nnx.Param`` s are cast in place (its module stays the one the step reads
     the new state from) and its other variables (batch statistics) keep their
-    dtypes. The params stay in their own
-    dtype in the `pztrain.TrainState` (cast them once with
-    ``policy.cast_to_param`` to change it); their gradients arrive in that
-    dtype.
+    dtypes. The params stay in their own dtype in the `pztrain.TrainState`
+    (cast them once with ``policy.cast_to_param`` to change it); their
+    gradients arrive in that dtype.
 
     With ``loss_scale=S`` the backward pass runs on ``S`` times the gradient
     (float16 gradients then do not underflow) and the gradients are divided by

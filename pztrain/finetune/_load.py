@@ -43,6 +43,7 @@ class ImportReport:
       ...     safetensors.numpy.save_file(tensors, d + "/model.safetensors")
       ...     like = {"fc": {"weight": jnp.zeros((3, 2)), "bias": jnp.zeros(3)}}
       ...     params, report = load_pretrained(d, like, mapping, partial=True)
+      ...
       >>> report.loaded, report.missing, report.bytes_read
       ({'fc/weight': 'fc.weight'}, ('fc/bias',), 24)
     """
@@ -126,6 +127,7 @@ def load_pretrained(
       ...     safetensors.numpy.save_file({"fc.weight": w}, d + "/model.safetensors")
       ...     params, _ = load_pretrained(d, {"w": jnp.zeros((2, 3))}, mapping,
       ...                                 dtype=jnp.bfloat16)
+      ...
       >>> params["w"]
       Array([[0, 2, 4],
              [1, 3, 5]], dtype=bfloat16)
@@ -221,6 +223,7 @@ def penzai_skeleton(build: Callable[[Any], Any]) -> Any:
       >>> model = penzai_skeleton(lambda rng: pz.nn.Linear.from_config(
       ...     name="l", init_base_rng=rng, input_axes={"i": 2},
       ...     output_axes={"o": 3}))
+      ...
       >>> model.weights.value.data_array
       ShapeDtypeStruct(shape=(2, 3), dtype=float32)
     """

@@ -127,12 +127,14 @@ def export_peft(
       >>> import tempfile, json, equinox as eqx, jax
       >>> from pztrain.finetune import (LoraConfig, Rule, WeightMapping, add_lora,
       ...                               export_peft)
+      ...
       >>> base = {"q_proj": eqx.nn.Linear(4, 4, key=jax.random.key(0))}
       >>> model = add_lora(base, LoraConfig(2, 4.0, "q_proj"), jax.random.key(1))
       >>> mapping = WeightMapping([Rule("layers.0.q_proj.{p}", "q_proj/{p}")])
       >>> with tempfile.TemporaryDirectory() as d:
       ...     path = export_peft(d, model, mapping)
       ...     config = json.loads((path / "adapter_config.json").read_text())
+      ...
       >>> config["r"], config["lora_alpha"], config["target_modules"]
       (2, 4.0, ['q_proj'])
     """
@@ -193,6 +195,7 @@ def load_peft(path: str | os.PathLike, model: Any, mapping: WeightMapping) -> An
       >>> import tempfile, equinox as eqx, jax, jax.numpy as jnp
       >>> from pztrain.finetune import (LoraConfig, Rule, WeightMapping, add_lora,
       ...                               export_peft, load_peft)
+      ...
       >>> base = {"q_proj": eqx.nn.Linear(4, 4, key=jax.random.key(0))}
       >>> lora = LoraConfig(2, 4.0, "q_proj")
       >>> mapping = WeightMapping([Rule("layers.0.q_proj.{p}", "q_proj/{p}")])
@@ -200,6 +203,7 @@ def load_peft(path: str | os.PathLike, model: Any, mapping: WeightMapping) -> An
       >>> fresh = add_lora(base, lora, jax.random.key(2))
       >>> with tempfile.TemporaryDirectory() as d:
       ...     loaded = load_peft(export_peft(d, trained, mapping), fresh, mapping)
+      ...
       >>> bool(jnp.all(loaded["q_proj"].lora_a == trained["q_proj"].lora_a))
       True
     """

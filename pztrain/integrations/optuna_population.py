@@ -364,17 +364,15 @@ def optimize_population(
 ) -> list[tuple[list[Any], History]]:
     """Trains ``n_batches`` batches of ``members`` trials, each as one population.
 
-    Per batch: `ask_population`; `pztrain.make_population` (member ``i`` is
-    ``init(trials[i].number)``); `pztrain.fit` with `PopulationPruning` after
-    the callbacks given; `tell_population`. If anything fails, the batch's
-    unfinished trials are told failed first; a signal's stop ends the loop.
+    Per batch: `ask_population`, `pztrain.make_population` (member ``i`` is
+    ``init(trials[i].number)``), `pztrain.fit` (`PopulationPruning` last),
+    `tell_population`; failures tell unfinished trials failed, a stop ends all.
 
     Args:
       study: A single-objective ``optuna.Study``.
       init: ``seed -> TrainState``; its optimizer injects the hyperparameters.
       suggest: ``trial -> {name: value}`` (see `ask_population`).
-      members: Trials per batch.
-      n_batches: Batches to run.
+      members, n_batches: Trials per batch; batches to run.
       monitor: The eval metric to prune on and to tell as each trial's value.
       **fit_args: `pztrain.fit`'s arguments by name but the state, ``run_dir``,
         ``checkpoints`` and ``resume`` (which every batch would share).
@@ -383,7 +381,7 @@ def optimize_population(
       One ``(trials, history)`` per batch: ``trials[i]`` ran member ``i``.
 
     Raises:
-      ValueError: for a bad monitor, n_batches, fit argument or hyperparameter.
+      ValueError: a bad monitor, n_batches, fit argument or hyperparameter.
 
     Example:
       >>> import jax, optax, optuna, pztrain.integrations.optuna_population

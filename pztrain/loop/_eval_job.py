@@ -61,10 +61,9 @@ def evaluate_checkpoints(
     """Evaluates each checkpoint of a run once, in step order, as it appears.
 
     Beside training, it reads checkpoints without the run's lock and logs one
-    eval record per step (``eval/<name>/<metric>``, text and images too) to
-    ``run_dir`` and ``loggers``; run again, it skips the steps it logged. It
-    uses the evaluations' ``ema``, not their cadences. A checkpoint the run
-    deleted before it was read is skipped, with a warning naming it.
+    eval record per step (``eval/<name>/<metric>``) to ``run_dir`` and ``loggers``;
+    run again, it skips the steps it logged. It uses the evaluations' ``ema``,
+    not their cadences; a checkpoint deleted before it was read is skipped, named.
 
     Args:
       directory: The run's `pztrain.Checkpoints` directory (with ``follow``, it
