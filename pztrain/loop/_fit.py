@@ -187,7 +187,9 @@ class _Run:
 
 def _train(state: TrainState, run: _Run) -> TrainState:
     """The loop: stretches of steps, each ended by a host point. A stop by a
-    signal ends it like a `Stop`, then saves; an error keeps the newest state."""
+    signal ends it like a `Stop`, then saves; an error keeps the newest state.
+    The ``at_end`` evaluations run at the last step whatever ended the run,
+    except a signal before the end (the resumed run's end runs them)."""
     s, hooks, reporter, flag = run.schedule, run.hooks, run.reporter, run.stops
     step, epoch, sums, stop = s.start, s.epoch_at(s.start), None, None
     last_log = step
@@ -221,8 +223,7 @@ def _train(state: TrainState, run: _Run) -> TrainState:
         if last_log != step:  # a stretch cut short by a stop, or the end
             state, stop = _first(stop, *reporter.log(state, sums, step, epoch))
         state, stop = _first(stop, *reporter.flush(state))
-        at_end = stop is None or (flag.stopped and s.done(step, epoch))
-        if at_end:
+        if not flag.stopped or s.done(step, epoch):  # a signal: the resumed run's
             state, stop = _first(stop, *run.evals.at_end(state, step, epoch))
         stop = stop or _signalled(flag)
         if flag.stopped:
