@@ -16,8 +16,15 @@ import optax
 import pytest
 
 import pztrain
-from pztrain import ArrayLoader, Callback, EarlyStopping, Evaluation, NanPolicy, Stop
-from pztrain import fit
+from pztrain import (
+    ArrayLoader,
+    Callback,
+    EarlyStopping,
+    Evaluation,
+    NanPolicy,
+    Stop,
+    fit,
+)
 
 _rng = np.random.default_rng(0)
 X = _rng.normal(size=(32, 3)).astype(np.float32)
@@ -91,7 +98,9 @@ def test_at_end_runs_after_early_stopping():
     assert "did not improve" in history.stop_reason
     assert ends.steps == [12] and int(state.step) == 12
     last = history.records[-1]
-    assert last["split"] == "eval" and last["step"] == 12 and "test/b" in last["metrics"]
+    assert (
+        last["split"] == "eval" and last["step"] == 12 and "test/b" in last["metrics"]
+    )
 
 
 def test_at_end_runs_after_a_stop_a_callback_returns():
