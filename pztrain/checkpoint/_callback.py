@@ -18,7 +18,7 @@ import jax
 
 from pztrain._tree import all_finite
 from pztrain.callbacks import Callback
-from pztrain.callbacks._monitored import eval_owner, eval_value
+from pztrain.callbacks._monitored import check_eval_monitor, eval_value
 from pztrain.checkpoint import _directory, _format
 from pztrain.checkpoint._due import SavePoints
 from pztrain.checkpoint._retention import Retention
@@ -340,21 +340,23 @@ class Checkpoints(Callback):
 
     # -- callback hooks
 
-    def on_train_start(self, state, info):
-        if self.keep_best and not info.evaluates and self.monitor.startswith("eval/"):
+    def check(self, state, info):
+        """Refuses ``keep_best`` by an eval metric the run does not record (no
+        evaluation, an evaluation it names not, a metric it does not record)."""
+        if not self.keep_best or not self.monitor.startswith("eval/"):
+            return
+        if not info.evaluates:
             raise ValueError(
                 f"Checkpoints(keep_best={self.keep_best}) ranks checkpoints by "
                 f"{self.monitor!r}, but fit runs no evaluation: pass eval_step and "
                 "eval_data to fit, or monitor a train metric."
             )
+        check_eval_monitor(
+            f"Checkpoints(keep_best={self.keep_best})", self.monitor, info
+        )
+
+    def on_train_start(self, state, info):
         self._evaluations = info.evaluation_names
-        if self.keep_best:
-            try:
-                eval_owner(self.monitor, self._evaluations)
-            except ValueError as e:
-                raise ValueError(
-                    f"Checkpoints(keep_best={self.keep_best}): {e}"
-                ) from None
         self._hparams = jsonable(dict(info.hparams))
         self._running = True
         self._callbacks = tuple(info.callbacks)
