@@ -46,7 +46,8 @@ class Callback:
     `pztrain.TrainState` (the loop continues with it) or `pztrain.Stop`. `fit` runs its
     hooks as one ordered list: the progress bar, the callbacks in the order given, the
     loggers, then the checkpoints. An ``on_log`` that only reads the record can say so
-    with `record_only`, which lets log points overlap with training.
+    with `record_only`, which lets log points overlap with training. `check` refuses
+    settings that do not fit a run before `fit` writes anything.
 
     Example:
       >>> from pztrain import Callback

@@ -7,10 +7,10 @@ a call of the step gives, and a monitor that names a metric no evaluation
 records is refused here. Nothing runs on the device: the train step and the
 eval steps are traced abstractly (``jax.eval_shape``).
 
-Data is read ahead only where that costs nothing and changes nothing: a
-`StepLoader` (its batch of a step, read on the host) or a list or tuple of
-batches. Data that can be read once (a generator, a grain ``IterDataset``) is
-left alone: its first batch is checked by the first step, and the names of an
+Data is read ahead only where that is cheap and changes nothing: a
+`StepLoader` (one batch, read on the host) or a list or tuple of batches.
+Data that can be read once (a generator, a grain ``IterDataset``) is left
+alone: its first batch is checked by the first step, and the names of an
 evaluation over it are known when it runs.
 """
 
@@ -67,15 +67,22 @@ def check_run(state: TrainState, args: FitArguments, schedule: Schedule) -> Loop
 
 
 def first_batch(data: Any, step: int, steps_per_call: int = 1) -> Any:
-    """The batch of the call at ``step`` (``steps_per_call`` batches stacked),
-    read ahead without changing ``data``; ``None`` for data that cannot be
-    (see the module's docstring), or with several processes (each holds its
-    rows: the step's batch is assembled only in the run)."""
+    """The batch of the call at ``step`` (``steps_per_call`` batches stacked;
+    from a `StepLoader`, their shapes), read ahead without changing ``data``;
+    ``None`` for data that cannot be (see the module's docstring), or with
+    several processes (each holds its rows: the step's batch is assembled only
+    in the run)."""
     if jax.process_count() > 1:
         return None
-    if isinstance(data, StepLoader):
-        batches = [data.batch_at(step + i) for i in range(steps_per_call)]
-    elif isinstance(data, list | tuple) and len(data) >= steps_per_call:
+    if isinstance(data, StepLoader):  # one batch read (on the host: no workers)
+        batch, k = data.batch_at(step), steps_per_call
+        if k == 1:
+            return batch
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((k, *np.shape(x)), np.asarray(x).dtype),
+            batch,
+        )  # its k batches stacked, as shapes
+    if isinstance(data, list | tuple) and len(data) >= steps_per_call:
         batches = list(data[:steps_per_call])
         for batch in batches:
             check_batch(batch)  # a batch dict: the rest is the step's to check

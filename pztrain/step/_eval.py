@@ -142,9 +142,12 @@ class EvalStep:
             state = state.using_ema()
         mesh = mesh_of(state.params)
         found = self._programs.lookup(state.model_without_params, mesh, state.root_rng)
+        program = found.program  # on a mesh, an OnMesh: its own eval_shape
+        shapes = getattr(program, "eval_shape", None) or (
+            lambda *args: jax.eval_shape(program, *args)
+        )
         try:
-            args = args_of(state, found, batch, opt_state=False)
-            return jax.eval_shape(found.program, *args)
+            return shapes(*args_of(state, found, batch, opt_state=False))
         except Exception as err:
             note_inputs(err, state.params, batch, "eval_step(state, ...)")
             raise
