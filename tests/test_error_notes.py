@@ -179,3 +179,18 @@ def test_fit_gives_the_note_a_direct_call_gives(k, data, prefetch):
     assert "x: float32[" in _notes(in_fit.value) and "w: float32[4, 1]" in _notes(
         in_fit.value
     )
+
+
+@pytest.mark.parametrize("prefetch", [2, 0])  # moved in the prefetch thread, or not
+def test_text_in_a_batch_read_once_is_refused_as_a_call_refuses_it(prefetch):
+    batch = {"x": np.ones((8, 4), np.float32), "y": np.array(["a"] * 8)}
+    step = pztrain.build_train_step(_loss)
+    with pytest.raises(TypeError) as direct:
+        step(_state(), batch)
+    with pytest.raises(TypeError) as in_fit:
+        pztrain.fit(
+            _state(), step, (b for b in [batch] * 2), num_steps=2,
+            prefetch=prefetch, progress=False, loggers=[],
+        )  # fmt: skip
+    assert str(in_fit.value) == str(direct.value)
+    assert "train_step(state, ...) got batch['y'] of strings" in str(in_fit.value)
