@@ -194,3 +194,20 @@ def test_text_in_a_batch_read_once_is_refused_as_a_call_refuses_it(prefetch):
         )  # fmt: skip
     assert str(in_fit.value) == str(direct.value)
     assert "train_step(state, ...) got batch['y'] of strings" in str(in_fit.value)
+
+
+def test_a_grain_loaders_bad_batch_gets_the_note_a_direct_call_gives():
+    from grain_examples import examples
+
+    def loss_fn(*, model, state, rng, x, y, id):
+        return _loss(model=model, state=state, rng=rng, x=x, y=y[:, None])
+
+    loader = pztrain.GrainLoader(examples(), batch_size=8)  # x: float32[8, 4]
+    model = {"w": jnp.zeros((5, 1)), "b": jnp.zeros(1)}
+    state = pztrain.TrainState.initial_state(model, optax.adam(0.1), jax.random.key(0))
+    step = pztrain.build_train_step(loss_fn)
+    with pytest.raises(TypeError, match="dot_general") as direct:
+        step(state, loader.batch_at(0))
+    with pytest.raises(TypeError, match="dot_general") as in_fit:
+        pztrain.fit(state, step, loader, num_steps=2, progress=False, loggers=[])
+    assert _notes(in_fit.value) == _notes(direct.value)
