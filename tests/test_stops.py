@@ -156,14 +156,37 @@ def test_the_partial_record_holds_the_steps_since_the_last_log_point():
     )
 
 
+def test_a_signal_while_fit_checks_the_first_batch_stops_before_the_first_call(
+    tmp_path,
+):
+    traced = []
+
+    def signaling_loss(**kw):
+        if not traced:  # fit traces the step on the first batch, before the run
+            kill_self()
+        traced.append(1)
+        return loss_fn(**kw)
+
+    state, history = fit(
+        new_state(),
+        pztrain.build_train_step(signaling_loss),
+        loader(),
+        num_steps=8,
+        progress=False,
+        run_dir=tmp_path / "run",
+    )
+    assert history.stop_reason == "interrupted" and int(state.step) == 0
+    assert history.records == []
+
+
 @pytest.mark.slow  # a run stopped during its first compile
 @pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
 def test_a_signal_during_the_first_compile_stops_after_the_first_call(on_device):
     traced = []
 
     def signaling_loss(**kw):
-        if not traced:  # while the step is traced, before its first call
-            kill_self()
+        if len(traced) == 1:  # while the step compiles, before its first call
+            kill_self()  # (traced once before: fit checks the first batch)
         traced.append(1)
         return loss_fn(**kw)
 

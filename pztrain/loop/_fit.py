@@ -98,30 +98,36 @@ def fit(
       (``stop_reason``: "interrupted", "preempted"); errors keep ``err.train_state``.
 
     Raises:
-      TypeError, ValueError: A bad argument or option (named in the message).
+      TypeError, ValueError: A bad argument or option (named in the message),
+        or a callback's or logger's `pztrain.Callback.check`: refused before
+        anything is written. So is an error of the train step or an eval
+        step on its first batch (traced first; the note names the inputs).
       DirectoryInUseError: Another run holds ``checkpoints`` or ``run_dir``.
     """
     return _fit(state, FitArguments(**locals()))  # FitArguments checks them all
 
 
 def _fit(state: TrainState, args: FitArguments) -> tuple[TrainState, History]:
-    """`fit` on checked arguments: the run checked before anything is written
-    (its first batches traced, every hook's ``check``), then the run's signal
-    handlers, the run directory's lock (`Checkpoints.prepare` takes its own),
-    checkpoints prepared, the run wired and trained."""
+    """`fit` on checked arguments: the run's signal handlers; the run checked
+    before anything is written (its first batches traced, every hook's
+    ``check``: a signal meanwhile stops it before its first call); the run
+    directory's lock (`Checkpoints.prepare` takes its own), checkpoints
+    prepared, the run wired and trained."""
     checkpoints, trained = args.checkpoints, None
-    metrics = check_run(state, args, _schedule(state, args, warn=False))
     try:
-        with (
-            stop_signals(args.preempt_on) as flag,
-            locked(_own_run_dir(args)),
-            checkpoints if checkpoints is not None else contextlib.nullcontext(),
-        ):
-            if checkpoints is not None:
-                state = checkpoints.prepare(state, args.callbacks, resume=args.resume)
-            run = _Run.wire(args, _schedule(state, args), flag, metrics)
-            trained = _train(state, run)
-            return trained, run.history
+        with stop_signals(args.preempt_on) as flag:
+            metrics = check_run(state, args, _schedule(state, args, warn=False))
+            with (
+                locked(_own_run_dir(args)),
+                checkpoints if checkpoints is not None else contextlib.nullcontext(),
+            ):
+                if checkpoints is not None:
+                    state = checkpoints.prepare(
+                        state, args.callbacks, resume=args.resume
+                    )
+                run = _Run.wire(args, _schedule(state, args), flag, metrics)
+                trained = _train(state, run)
+                return trained, run.history
     except BaseException as e:  # e.g. a late signal's KeyboardInterrupt
         if trained is not None:
             keep_state(e, trained)

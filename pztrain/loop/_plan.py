@@ -48,7 +48,9 @@ __all__ = [
 ]
 
 
-def check_run(state: TrainState, args: FitArguments, schedule: Schedule) -> LoopInfo:
+def check_run(
+    state: TrainState, args: FitArguments, schedule: Schedule
+) -> dict[str, tuple[str, ...] | None]:
     """Checks a run before anything is written: its first train batch traced
     (`check_train_batch`), the names its evaluations record found
     (`eval_metrics`), then every hook's and logger's ``check`` given the run's
