@@ -98,10 +98,9 @@ def fit(
       (``stop_reason``: "interrupted", "preempted"); errors keep ``err.train_state``.
 
     Raises:
-      TypeError, ValueError: A bad argument or option (named in the message),
-        or a callback's or logger's `pztrain.Callback.check`: refused before
-        anything is written. So is an error of the train step or an eval
-        step on its first batch (traced first; the note names the inputs).
+      TypeError, ValueError: A bad argument (named), a hook's refusal
+        (`pztrain.Callback.check`) or a step's error on its first batch:
+        raised before anything is written.
       DirectoryInUseError: Another run holds ``checkpoints`` or ``run_dir``.
     """
     return _fit(state, FitArguments(**locals()))  # FitArguments checks them all
