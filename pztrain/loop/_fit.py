@@ -98,9 +98,7 @@ def fit(
       (``stop_reason``: "interrupted", "preempted"); errors keep ``err.train_state``.
 
     Raises:
-      TypeError, ValueError: A bad argument (named), a hook's refusal
-        (`pztrain.Callback.check`) or a step's error on its first batch:
-        raised before anything is written.
+      TypeError, ValueError: A bad argument, first batch or hook check; disk untouched.
       DirectoryInUseError: Another run holds ``checkpoints`` or ``run_dir``.
     """
     return _fit(state, FitArguments(**locals()))  # FitArguments checks them all
