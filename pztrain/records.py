@@ -101,6 +101,7 @@ class LoopInfo:
         (``jax.eval_shape``: nothing runs); ``None`` for an evaluation whose
         names are known only once it runs (a host function, data that can be
         read once, a step built with ``jit=False``).
+      resume: Whether `fit` was asked to resume (``resume=True``).
 
     Example:
       A callback reads it at the start (here given one as `fit` would):
@@ -133,6 +134,7 @@ class LoopInfo:
     eval_metrics: dict[str, tuple[str, ...] | None] = dataclasses.field(
         default_factory=dict
     )
+    resume: bool = False
 
     @property
     def evaluation_names(self) -> tuple[str, ...]:

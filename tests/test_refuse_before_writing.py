@@ -250,3 +250,20 @@ def test_a_log_of_another_run_is_left_as_it_was(tmp_path):
             progress=False,
         )
     assert {p: p.read_bytes() for p in (tmp_path / "run").iterdir()} == files
+
+
+def test_a_fresh_run_into_used_checkpoints_leaves_a_new_run_dir_unmade(tmp_path):
+    ckpt = Checkpoints(tmp_path / "ckpt", every_steps=2)
+    fit(new_state(), STEP, DATA * 4, num_steps=4, checkpoints=ckpt, progress=False)
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(pztrain.CheckpointError, match="already holds checkpoints"):
+        fit(
+            new_state(),
+            STEP,
+            DATA * 4,
+            num_steps=4,
+            checkpoints=Checkpoints(tmp_path / "ckpt", every_steps=2),
+            run_dir=tmp_path / "run",
+            progress=False,
+        )
+    assert sorted(tmp_path.rglob("*")) == before and not (tmp_path / "run").exists()

@@ -205,4 +205,5 @@ def loop_info(
         checkpoints=args.checkpoints,
         evaluations=tuple(ev.name for ev in args.evaluations),
         eval_metrics=eval_metrics,
+        resume=args.resume,
     )
