@@ -73,7 +73,9 @@ class Stop:
 
 @dataclasses.dataclass(frozen=True)
 class LoopInfo:
-    """What a run will do; given to ``Callback.on_train_start``.
+    """What a run will do; given to ``Callback.on_train_start``, and before
+    the run to ``Callback.check`` (where a resumed run's ``start_step`` and
+    ``end_step`` are still the given state's: its checkpoint is not read yet).
 
     Attributes:
       start_step: The step the run starts at (``state.step``).
@@ -93,6 +95,13 @@ class LoopInfo:
       evaluations: The names of the run's evaluations (`pztrain.Evaluation`;
         ``""``: the unnamed one of ``eval_step=``), in the order they run
         (empty with ``evaluates``: the unnamed one alone).
+      eval_metrics: Evaluation name → the names its values take in an eval
+        record (``"<name>/<metric>"``; the unnamed one's ``"<metric>"``),
+        found before the run by tracing its eval step on its first batch
+        (``jax.eval_shape``: nothing runs); ``None`` for an evaluation whose
+        names are known only once it runs (a host function, data that can be
+        read once, a step built with ``jit=False``).
+      resume: Whether `fit` was asked to resume (``resume=True``).
 
     Example:
       A callback reads it at the start (here given one as `fit` would):
@@ -123,6 +132,10 @@ class LoopInfo:
     train_data: Any = None
     checkpoints: Any = None
     evaluations: tuple[str, ...] = ()
+    eval_metrics: dict[str, tuple[str, ...] | None] = dataclasses.field(
+        default_factory=dict
+    )
+    resume: bool = False
 
     @property
     def evaluation_names(self) -> tuple[str, ...]:

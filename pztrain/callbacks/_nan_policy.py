@@ -52,13 +52,16 @@ class NanPolicy(Callback):
             raise ValueError(f"mode must be 'stop' or 'skip'; got {mode!r}.")
         self.mode, self.info = mode, None
 
-    def on_train_start(self, state, info):
+    def check(self, state, info):
+        """Refuses ``"skip"`` with an optimizer that does not skip."""
         if self.mode == "skip" and _apply_if_finite_state(state.opt_state) is None:
             raise ValueError(
                 "NanPolicy('skip') needs the optimizer wrapped to skip non-finite "
                 "updates: optimizer_def=optax.apply_if_finite(tx, "
                 "max_consecutive_errors=10)."
             )
+
+    def on_train_start(self, state, info):
         self.info = info
 
     def on_log(self, state, record):

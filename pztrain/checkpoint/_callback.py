@@ -17,9 +17,10 @@ from typing import Any
 import jax
 
 from pztrain.callbacks import Callback
-from pztrain.callbacks._monitored import eval_owner, eval_value
+from pztrain.callbacks._monitored import check_eval_monitor, eval_value
 from pztrain.checkpoint import _directory, _format
 from pztrain.checkpoint._due import SavePoints
+from pztrain.checkpoint._metadata import checkpoint_steps
 from pztrain.checkpoint._retention import Retention
 from pztrain.checkpoint._store import CheckpointStore
 from pztrain.records import jsonable
@@ -335,21 +336,25 @@ class Checkpoints(Callback):
 
     # -- callback hooks
 
-    def on_train_start(self, state, info):
-        if self.keep_best and not info.evaluates and self.monitor.startswith("eval/"):
+    def check(self, state, info):
+        """Refuses a fresh run into a directory that holds checkpoints (as
+        `prepare` does), and ``keep_best`` by an eval metric none records."""
+        if not info.resume and not self.overwrite:
+            steps = checkpoint_steps(self.directory)  # the listing: no manager
+            _directory.refuse_used(self.directory, steps, _step_of(state))
+        who = f"Checkpoints(keep_best={self.keep_best})"
+        if not self.keep_best or not self.monitor.startswith("eval/"):
+            return
+        if not info.evaluates:
             raise ValueError(
-                f"Checkpoints(keep_best={self.keep_best}) ranks checkpoints by "
-                f"{self.monitor!r}, but fit runs no evaluation: pass eval_step and "
-                "eval_data to fit, or monitor a train metric."
+                f"{who} ranks checkpoints by {self.monitor!r}, but fit runs no "
+                "evaluation: pass eval_step and eval_data to fit, or monitor a "
+                "train metric."
             )
+        check_eval_monitor(who, self.monitor, info)
+
+    def on_train_start(self, state, info):
         self._evaluations = info.evaluation_names
-        if self.keep_best:
-            try:
-                eval_owner(self.monitor, self._evaluations)
-            except ValueError as e:
-                raise ValueError(
-                    f"Checkpoints(keep_best={self.keep_best}): {e}"
-                ) from None
         self._hparams = jsonable(dict(info.hparams))
         self._running = True
         self._callbacks = tuple(info.callbacks)

@@ -332,9 +332,11 @@ class TrainStep:
         """Zero sums for the metrics this step produces on a batch like ``batch``.
 
         The metric names come from tracing the loss function once, forward only
-        (``jax.eval_shape``); nothing runs on the device.
+        (``jax.eval_shape``); nothing runs on the device. An error of the loss
+        function carries the note a call's would (the batch's and params'
+        shapes), so `pztrain.fit`'s first batch fails as a call does.
         """
-        batch = one_batch(batch, arrays)
+        given = batch = one_batch(batch, arrays)
         if not isinstance(batch, Mapping):
             batch = batch.batch_shapes()
         elif self.steps_per_call > 1:  # the metrics of one step, from one slice
@@ -347,7 +349,11 @@ class TrainStep:
         key = _shapes_key((carry, inputs))
         members = found.static.members
         if key not in names:
-            aux = found.program.aux_shape(carry, inputs)
+            try:
+                aux = found.program.aux_shape(carry, inputs)
+            except Exception as err:
+                note_inputs(err, state.params, given, "train_step(state, ...)")
+                raise
             scalars = tuple(metric_names(one_member(aux, members)))
             names[key] = (scalars, metric_state_shapes(aux))
         scalars, states = names[key]
