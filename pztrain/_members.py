@@ -15,8 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["member_count", "member_key", "spread"]
+__all__ = ["member_count", "member_key", "shared_batch_sharding", "spread"]
 
 
 def member_count(root_rng: Any) -> int | None:
@@ -65,3 +66,17 @@ def spread(name: str, value: Any) -> dict[str, float]:
     }
     out.update({member_key(name, i): float(v) for i, v in enumerate(array)})
     return out  # every entry but the mean matches pztrain.records.SPREAD
+
+
+def shared_batch_sharding(state: Any, member_batches: bool) -> Any:
+    """Where ``fit`` puts a population's shared host batches: replicated on
+    the mesh its members are split over (`pztrain.population.shard_members`),
+    so that the step gets them there rather than moving them from the default
+    device each call; ``None`` otherwise (one run, one device, or a batch per
+    member)."""
+    sharding = getattr(state.root_rng, "sharding", None)
+    if member_batches or not isinstance(sharding, NamedSharding):
+        return None
+    if not sharding.spec or member_count(state.root_rng) is None:
+        return None
+    return NamedSharding(sharding.mesh, PartitionSpec())

@@ -111,11 +111,8 @@ class MetricSums:
         one row of sums per member (a step maps over the rows). ``states``:
         metric name → the shapes of its state (`metric_state_shapes`; with the
         member axis for a population), made zeros."""
-        shape = (len(names) + 4,) if members is None else (members, len(names) + 4)
-        empty = np.zeros(shape, np.float32)
-        empty[..., -2:] = -1.0  # no non-finite step yet
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), states or {})
-        return cls(tuple(names), jnp.asarray(empty), zeros)
+        zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), states or {})
+        return cls(tuple(names), *jax.device_put((_empty(names, members), zeros)))
 
     def add(self, loss: jax.Array, aux: Any, step: jax.Array) -> MetricSums:
         """The sums with one step's loss and aux metrics added (traceable).
@@ -201,18 +198,29 @@ def _fresh_one(sums: MetricSums) -> MetricSums:
     return MetricSums.zeros(sums.names)
 
 
+def _empty(names: Sequence[str], members: int | None) -> np.ndarray:
+    """The packed sums of no step (host)."""
+    shape = (len(names) + 4,) if members is None else (members, len(names) + 4)
+    empty = np.zeros(shape, np.float32)
+    empty[..., -2:] = -1.0  # no non-finite step yet
+    return empty
+
+
 def _fresh(sums: MetricSums) -> MetricSums:
-    """Zero sums; a population's (a row per member) placed as its were, e.g.
-    split over the devices with the members. Metric states' zeros are made as
-    `MetricSums.zeros` makes them (a population's placed as the states are),
-    so that the step sees the same inputs as on its first call: no retrace."""
-    if sums.packed.ndim == 1:
-        states = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), sums.states)
+    """Zero sums placed as ``sums`` were: one run's on one device made there
+    (jitted), else (a population's row per member split over the devices, one
+    run's replicated on a mesh) put there explicitly. Metric states' zeros are
+    made as `MetricSums.zeros` makes them (a population's placed as the states
+    are), so that the step sees the same inputs as on its first call: no
+    retrace, and no implicit transfer into it."""
+    sharding = sums.packed.sharding
+    if sums.packed.ndim == 1 and len(sharding.device_set) == 1:
+        states = jax.tree.map(_placed_zeros, sums.states)
         return dataclasses.replace(
             _fresh_one(MetricSums(sums.names, sums.packed)), states=states
         )
-    zeros = MetricSums.zeros(sums.names, sums.packed.shape[0])
-    packed = jax.device_put(zeros.packed, sums.packed.sharding)
+    members = sums.packed.shape[0] if sums.packed.ndim == 2 else None
+    packed = jax.device_put(_empty(sums.names, members), sharding)
     states = jax.tree.map(_placed_zeros, sums.states)
     return MetricSums(sums.names, packed, states)
 

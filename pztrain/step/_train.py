@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pztrain._members import member_count
 from pztrain.metrics import MetricSums, metric_names, metric_state_shapes
@@ -351,7 +351,11 @@ class TrainStep:
             names[key] = (scalars, metric_state_shapes(aux))
         scalars, states = names[key]
         sums = MetricSums.zeros(scalars, members, states)
-        return sums if members is None else placed_as_members(sums, state.root_rng)
+        if members is not None:
+            return placed_as_members(sums, state.root_rng)
+        if self.mesh is None:
+            return sums
+        return jax.device_put(sums, NamedSharding(self.mesh, PartitionSpec()))
 
     def compute_grads(self, state: TrainState, **batch: Any) -> StepOutputs:
         """Loss, new loss-function state, aux and grads for one batch; no update.
