@@ -111,8 +111,9 @@ class MetricSums:
         one row of sums per member (a step maps over the rows). ``states``:
         metric name → the shapes of its state (`metric_state_shapes`; with the
         member axis for a population), made zeros."""
-        zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), states or {})
-        return cls(tuple(names), *jax.device_put((_empty(names, members), zeros)))
+        with jax.transfer_guard_host_to_device("allow"):  # asked for: fresh sums
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), states or {})
+            return cls(tuple(names), jnp.asarray(_empty(names, members)), zeros)
 
     def add(self, loss: jax.Array, aux: Any, step: jax.Array) -> MetricSums:
         """The sums with one step's loss and aux metrics added (traceable).

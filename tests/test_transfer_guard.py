@@ -4,8 +4,9 @@ in the loop's thread fails the run.
 
 What fit moves, it moves explicitly or at a host point (docs/guides/speed.md,
 "What fit transfers"): host batches by ``jax.device_put`` (ahead of time, in the
-prefetch thread), a device epoch's permutation by ``jax.device_put`` once an
-epoch, fresh metric sums by ``jax.device_put``; the device is read only inside
+prefetch thread), a device epoch's permutation once an epoch and fresh metric
+sums under an explicit ``jax.transfer_guard_host_to_device("allow")`` (cheaper
+than a ``jax.device_put``); the device is read only inside
 the loop's ``host_reads`` (log, eval, epoch and checkpoint points); an
 evaluation hands its host batches to the eval step (``eval_inputs``, at its
 eval point). On CPU a device→host read never trips JAX's own guard (the array

@@ -399,7 +399,8 @@ def _source(args: FitArguments, schedule: Schedule) -> BatchSource:
     mesh; ``None``: the default device)."""
     sharding = getattr(args.train_step, "batch_sharding", None)
     if sharding is None and not _on_device(args.train_data):
-        sharding = shared_batch_sharding(args.state, args.train_step.member_batches)
+        per_member = getattr(args.train_step, "member_batches", False)
+        sharding = shared_batch_sharding(args.state, per_member)
     k = schedule.steps_per_call
     return batch_source(args.train_data, schedule.start, k, args.prefetch, sharding)
 
