@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pztrain._tree import is_array, is_float_array
 
@@ -23,6 +24,7 @@ __all__ = [
     "member_count",
     "member_key",
     "member_shape_note",
+    "shared_batch_sharding",
     "spread",
 ]
 
@@ -136,3 +138,17 @@ def finite_members(tree: Any, members: int) -> np.ndarray:
 def _finite_rows(arrays: list[jax.Array]) -> jax.Array:
     rows = [jnp.isfinite(x.reshape(x.shape[0], -1)).all(axis=1) for x in arrays]
     return jnp.stack(rows).all(axis=0)
+
+
+def shared_batch_sharding(state: Any, member_batches: bool) -> Any:
+    """Where ``fit`` puts a population's shared host batches: replicated on
+    the mesh its members are split over (`pztrain.population.shard_members`),
+    so that the step gets them there rather than moving them from the default
+    device each call; ``None`` otherwise (one run, one device, or a batch per
+    member)."""
+    sharding = getattr(state.root_rng, "sharding", None)
+    if member_batches or not isinstance(sharding, NamedSharding):
+        return None
+    if not sharding.spec or member_count(state.root_rng) is None:
+        return None
+    return NamedSharding(sharding.mesh, PartitionSpec())
