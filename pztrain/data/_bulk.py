@@ -75,7 +75,8 @@ class BulkSource:
     """A random-access data source for grain, read a batch at a time.
 
     Use it as ``grain.MapDataset.source(BulkSource(source))``; `pztrain.GrainLoader`
-    wraps a source it is given directly in one.
+    wraps a source it is given directly in one, and reads a pipeline built on
+    ``grain.MapDataset.source(source)`` as if built on one (`read_in_batches`).
 
     Args:
       source: A Hugging Face ``datasets.Dataset`` with a NumPy format (rows

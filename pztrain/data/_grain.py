@@ -69,7 +69,10 @@ class GrainLoader(StepLoader):
         views of its memory-mapped columns; or a ``grain.MapDataset`` of
         examples (flat dicts of arrays), or one ending in
         ``.batch(batch_size)`` (read as its examples, so that each process
-        reads only its rows), its ``.map`` run per example.
+        reads only its rows), its ``.map`` run per example. Its data source
+        is read a batch of records per call (a copy of the pipeline built on
+        a `pztrain.data.BulkSource`, the same examples at every index); a
+        warning, once, says why when it cannot be, and the fix.
       batch_size: The global batch (over all devices and processes); read
         from the dataset's ``.batch(...)`` if ``None``.
       shuffle: Shuffle each epoch. Either way, the dataset is read at index
