@@ -22,7 +22,8 @@ to its source, which grain then reads a record per call unless the source has
 grain's own batched read (``ArrayRecordDataSource`` has ``__getitems__``, not
 grain's ``_getitems``). `read_in_batches` gives `pztrain.GrainLoader` the same
 pipeline over ``BulkSource(source)``: the user's nodes copied and re-linked,
-the user's dataset left as it was.
+the user's dataset left as it was (and grain's per-record read metrics left
+out, as for a source given directly).
 """
 
 from __future__ import annotations
@@ -209,6 +210,11 @@ def read_in_batches(dataset: Any) -> tuple[Any, str | None]:
                 f"transformations, which pztrain copies onto a batched read. {_FIX}"
             )
     parent = import_extra("grain").MapDataset.source(bulk)
+    # grain's field: a source node records a histogram sample and sizes every
+    # record of a read (prometheus_client, which orbax brings: a fifth of this
+    # read's CPU); pztrain reads the source itself here, as it does a source
+    # given directly, which grain's metrics do not see either.
+    parent._record_metrics = False
     for node in reversed(chain[:-1]):
         node = copy.copy(node)  # the user's node stays on the user's pipeline
         node.__dict__.pop("_stats", None)  # grain's statistics: made anew
