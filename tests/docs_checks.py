@@ -50,9 +50,10 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
             'next(again.iter_from_step(30))["y"])',
         ),
         (
-            "records = pztrain.data.BulkSource(grain.sources.ArrayRecordDataSource("
-            '["digits.array_record"]))',
-            "assert loader.steps_per_epoch == len(x) // 64",
+            "examples = grain.MapDataset.source(source).map(decode_one)",
+            "assert loader.steps_per_epoch == len(x) // 64\n"
+            'np.testing.assert_array_equal(loader.batch_at(5)["x"], '
+            "x[loader.example_ids(5)])",
         ),
         (
             "noise = np.stack([np.random.default_rng(p).normal(0, 0.01, 64) "
