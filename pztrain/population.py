@@ -199,10 +199,7 @@ def _stack(path: Any, *xs: Any, share: bool = False) -> Any:
 def _equal_arrays(xs: Sequence[Any]) -> bool:
     """Whether every array of ``xs`` is ``xs[0]`` or bitwise equal to it."""
     first = np.asarray(xs[0])
-    return all(
-        x is xs[0] or np.array_equal(np.asarray(x), first)
-        for x in xs[1:]
-    )
+    return all(x is xs[0] or np.array_equal(np.asarray(x), first) for x in xs[1:])
 
 
 def _same(xs: Sequence[Any]) -> bool:
