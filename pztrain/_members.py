@@ -23,6 +23,7 @@ __all__ = [
     "member_count",
     "member_key",
     "member_shape_note",
+    "shared_shape_note",
     "spread",
 ]
 
@@ -75,6 +76,34 @@ def member_shape_note(
             "pztrain.member(population, 0)); pztrain.stack_members stacks runs."
         )
     return None
+
+
+def shared_shape_note(stored: Any, wanted: Any) -> str:
+    """What to do when a stored state array and a target's differ only in
+    their member axis being 1 on one side (held once for every member, see
+    `pztrain.population.stack_members`) and ``K`` on the other, after a
+    space; else ``""``.
+
+    Example:
+      >>> shared_shape_note((1, 4, 3), (4, 4, 3))[:53]
+      ' The checkpoint holds this array once for every membe'
+      >>> shared_shape_note((2, 3), (4, 3))
+      ''
+    """
+    stored, wanted = tuple(stored), tuple(wanted)
+    if not stored or len(stored) != len(wanted) or stored[1:] != wanted[1:]:
+        return ""
+    if stored[0] == 1 < wanted[0]:
+        held = "once for every member, the target once per member"
+    elif wanted[0] == 1 < stored[0]:
+        held = "once per member, the target once for every member"
+    else:
+        return ""
+    return (
+        f" The checkpoint holds this array {held}: build the target population "
+        "as the saved one was, with or without make_population(..., "
+        "shared='model_without_params')."
+    )
 
 
 def member_key(name: str, i: int) -> str:

@@ -15,7 +15,13 @@ from finetune_checkpoints import HF_CONFIG, abstract_llama, write_llama
 from test_finetune_lora import LORA, MAPPING, TOKENS, lm_loss
 
 import pztrain
-from pztrain import PopulationError, make_population, member, stack_members
+from pztrain import (
+    CheckpointMismatchError,
+    PopulationError,
+    make_population,
+    member,
+    stack_members,
+)
 from pztrain.finetune import add_lora, is_adapter, load_pretrained
 from pztrain.population import shard_members
 
@@ -86,6 +92,16 @@ def test_a_shared_array_is_replicated_over_a_members_mesh():
     placed = shard_members(pop, jax.make_mesh((1,), ("members",)))
     assert placed.model_without_params["base"].sharding.spec == jax.P()
     assert placed.params["w"].sharding.spec == jax.P("members")
+
+
+def test_a_shared_checkpoint_into_an_unshared_target_says_what_to_do(tmp_path):
+    pop = make_population(init, seeds=range(4), shared="model_without_params")
+    pztrain.save_state(tmp_path / "s", pop)
+    like = make_population(init, seeds=range(4), shared="model_without_params")
+    back = pztrain.load_state(tmp_path / "s", like)
+    np.testing.assert_array_equal(back.model_without_params["base"], BASE[None])
+    with pytest.raises(CheckpointMismatchError, match=r"base.*once for every member"):
+        pztrain.load_state(tmp_path / "s", make_population(init, seeds=range(4)))
 
 
 # ------------------------------------------------ K adapter sets, one base
