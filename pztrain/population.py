@@ -61,8 +61,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from pztrain._members import member_count
-from pztrain._tree import describe, is_array, structure_difference
+from pztrain._members import equal_arrays, member_count, same, unlike
+from pztrain._tree import is_array
 from pztrain.state import TrainState
 
 __all__ = [
@@ -153,6 +153,22 @@ def stack_members(
       >>> pop.params["w"].tolist(), pop.step.shape
       ([[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]], ())
     """
+    states = _members_of(states, shared)
+    # One optimizer for all: each init call makes its own (equal) transformation.
+    optimizer_def = states[0].optimizer_def
+    states = [s.replace(optimizer_def=optimizer_def) for s in states]
+    problem = unlike(states)
+    if problem:
+        raise PopulationError(problem)
+    share = shared is not None and len(states) > 1
+    return jax.tree_util.tree_map_with_path(
+        lambda path, *xs: _stack(path, *xs, share=share), *states
+    )
+
+
+def _members_of(states: Sequence[TrainState], shared: str | None) -> list:
+    """``states`` as a list, refused if not single runs' states, or if
+    ``shared`` names what cannot be shared."""
     states = list(states)
     if shared not in (None, _SHAREABLE):
         raise PopulationError(
@@ -173,14 +189,7 @@ def stack_members(
                 "take it apart with members(state) first."
             )
         state.check_not_donated("stack_members")
-    # One optimizer for all: each init call makes its own (equal) transformation.
-    optimizer_def = states[0].optimizer_def
-    states = [s.replace(optimizer_def=optimizer_def) for s in states]
-    _check_alike(states)
-    share = shared is not None and len(states) > 1
-    return jax.tree_util.tree_map_with_path(
-        lambda path, *xs: _stack(path, *xs, share=share), *states
-    )
+    return states
 
 
 def _stack(path: Any, *xs: Any, share: bool = False) -> Any:
@@ -189,81 +198,11 @@ def _stack(path: Any, *xs: Any, share: bool = False) -> Any:
     in the step as for one run) kept when equal in every member; numbers that
     differ stacked, one per member; with ``share``, an array of the model
     without params equal in every member held once (member axis 1)."""
-    if path[0] == _STEP or (not is_array(xs[0]) and _same(xs)):
+    if path[0] == _STEP or (not is_array(xs[0]) and same(xs)):
         return xs[0]
-    if share and path[0] == _REST and _equal_arrays(xs):
+    if share and path[0] == _REST and equal_arrays(xs):
         return jnp.expand_dims(xs[0], 0)
     return jnp.stack(xs)
-
-
-def _equal_arrays(xs: Sequence[Any]) -> bool:
-    """Whether every array of ``xs`` is ``xs[0]`` or bitwise equal to it."""
-    first = np.asarray(xs[0])
-    return all(x is xs[0] or np.array_equal(np.asarray(x), first) for x in xs[1:])
-
-
-def _same(xs: Sequence[Any]) -> bool:
-    """Whether every ``x`` is ``xs[0]`` or equal to it (not arrays)."""
-    try:
-        return all(x is xs[0] or bool(x == xs[0]) for x in xs)
-    except Exception:  # an == that is not a truth value
-        return False
-
-
-def _check_alike(states: list[TrainState]) -> None:
-    """Refuses members unlike member 0, naming the member and the leaf."""
-    first, first_def = _leaves(states[0])
-    steps = {int(s.step) for s in states}
-    for i, state in enumerate(states[1:], start=1):
-        leaves, treedef = _leaves(state)
-        if treedef != first_def:
-            where = structure_difference(states[0], state)
-            raise PopulationError(
-                f"Member {i}'s structure differs from member 0's at {where}. "
-                "Members of a population share everything but their arrays' "
-                "values (model structure, optimizer, loss-function state, "
-                "TrainState type)."
-            )
-        for (path, a), (_, b) in zip(first, leaves, strict=True):
-            _check_leaf(i, path, a, b)
-    if len(steps) > 1:
-        raise PopulationError(
-            f"Members are at different steps {sorted(steps)}: a population steps "
-            "together. Start them at one step (e.g. state.replace(step=...))."
-        )
-
-
-def _leaves(state: TrainState):
-    return jax.tree_util.tree_flatten_with_path(state)
-
-
-def _check_leaf(i: int, path: Any, a: Any, b: Any) -> None:
-    """Refuses member ``i``'s leaf ``b`` unlike member 0's ``a``: arrays of
-    another shape or dtype, or a leaf that is not an array (a function, a
-    name) and differs, unless both are numbers (stacked, one per member)."""
-    where = f"Member {i} differs from member 0 at {jax.tree_util.keystr(path)}"
-    if is_array(a) and is_array(b):
-        if np.shape(a) != np.shape(b) or a.dtype != b.dtype:
-            raise PopulationError(
-                f"{where}: {describe(b)} against {describe(a)}. Members need "
-                "equal shapes and dtypes."
-            )
-        return
-    if is_array(a) or is_array(b):
-        raise PopulationError(
-            f"{where}: {describe(b)} against {describe(a)}. Members need an array "
-            "where member 0 has one, and the same non-array leaves."
-        )
-    if not (_same([a, b]) or (_number(a) and _number(b))):
-        raise PopulationError(
-            f"{where}: {b!r} against {a!r}. A leaf that is not an array (a "
-            "function, a name, a setting) is shared by every member; to vary it "
-            "per member, make it an array or an injected hyperparameter."
-        )
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, int | float | complex | np.number) and not isinstance(x, bool)
 
 
 def member(state: TrainState, i: int) -> TrainState:
