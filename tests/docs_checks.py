@@ -181,6 +181,15 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
         ),
         ("print(found.line())", 'assert "mlp/Affine_1/Linear.weights" in found.line()'),
     ],
+    "finetuning.md": [
+        (
+            'pop = pztrain.make_population(adapters, seeds=range(4), shared="model_',
+            "one_base = nbytes(adapters(0).model_without_params)\n"
+            "assert nbytes(pop.model_without_params) == one_base\n"
+            "assert all(x.shape[0] == 4 for x in pop.params.values())\n"
+            "assert int(pop.step) == 10",
+        ),
+    ],
     "populations.md": [
         (
             "print(pop.summary())",
