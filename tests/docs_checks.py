@@ -508,6 +508,19 @@ NOTEBOOK_CHECKS = {
             'assert abs(final["classes/f1"] - whole_set) < 1e-9',
         )
     ],
+    "11_finetuning.ipynb": [
+        (
+            "best = min(range(4), key=lambda i:",
+            "one_run = nbytes(adapters(0).model_without_params)\n"
+            "assert nbytes(pop.model_without_params) == one_run\n"
+            "assert int(pop.step) == 20 and pztrain.population_size(pop) == 4",
+        ),
+        (
+            "one = pztrain.member(pop, best)",
+            'assert "adapter_config.json" in written and "config.json" in written\n'
+            "assert not work.exists()",
+        ),
+    ],
 }
 
 
