@@ -77,6 +77,16 @@ def test_a_shared_population_steps_as_its_members_alone():
     assert mse["loss"].shape == (4,)
 
 
+def test_fused_and_microbatched_steps_read_the_shared_base():
+    pop = make_population(init, seeds=range(4), shared="model_without_params")
+    fused = pztrain.build_train_step(loss_fn, steps_per_call=2)
+    pop, aux = fused(pop, x=np.stack([X, X]))
+    assert aux["loss"].shape == (4, 2) and int(pop.step) == 2
+    pop, aux = pztrain.build_train_step(loss_fn, microbatches=2)(pop, x=X)
+    assert aux["loss"].shape == (4,) and int(pop.step) == 3
+    assert pop.model_without_params["base"].shape == (1, 4, 3)
+
+
 def test_arrays_that_differ_are_stacked_and_bad_shared_is_refused():
     bases = {0: BASE, 1: BASE + 1.0}
     pop = stack_members(
