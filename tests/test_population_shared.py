@@ -22,11 +22,17 @@ from pztrain import (
     member,
     stack_members,
 )
+from pztrain.callbacks import PopulationBasedTraining
 from pztrain.finetune import add_lora, is_adapter, load_pretrained
 from pztrain.population import shard_members
+from pztrain.records import LoopInfo
 
 X = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
 BASE = jnp.arange(12.0).reshape(4, 3)  # K = 4 rows: a member axis by its shape
+INFO = LoopInfo(
+    start_step=0, end_step=10, steps_per_epoch=None, steps_per_call=1,
+    log_every=5, evaluates=False, run_dir=None,
+)  # fmt: skip
 
 
 def init(seed, base=BASE):
@@ -85,6 +91,17 @@ def test_fused_and_microbatched_steps_read_the_shared_base():
     pop, aux = pztrain.build_train_step(loss_fn, microbatches=2)(pop, x=X)
     assert aux["loss"].shape == (4,) and int(pop.step) == 3
     assert pop.model_without_params["base"].shape == (1, 4, 3)
+
+
+def test_population_based_training_keeps_the_shared_base():
+    pop = make_population(init, seeds=range(4), shared="model_without_params")
+    pbt = PopulationBasedTraining("loss", fraction=0.25)
+    pbt.on_train_start(pop, INFO)
+    metrics = {f"loss/member_{i}": v for i, v in enumerate([0.5, 0.1, 0.9, 0.2])}
+    new = pbt.on_log(pop, {"step": 5, "split": "train", "metrics": metrics})
+    np.testing.assert_array_equal(new.model_without_params["base"], BASE[None])
+    sources = pbt.decisions[0]["sources"]
+    np.testing.assert_array_equal(new.params["w"], np.asarray(pop.params["w"])[sources])
 
 
 def test_arrays_that_differ_are_stacked_and_bad_shared_is_refused():
