@@ -182,6 +182,15 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
         ),
         ("print(found.line())", 'assert "mlp/Affine_1/Linear.weights" in found.line()'),
     ],
+    "finetuning.md": [
+        (
+            'pop = pztrain.make_population(adapters, seeds=range(4), shared="model_',
+            "one_base = nbytes(adapters(0).model_without_params)\n"
+            "assert nbytes(pop.model_without_params) == one_base\n"
+            "assert all(x.shape[0] == 4 for x in pop.params.values())\n"
+            "assert int(pop.step) == 10",
+        ),
+    ],
     "populations.md": [
         (
             "print(pop.summary())",
@@ -499,6 +508,19 @@ NOTEBOOK_CHECKS = {
             'jnp.asarray(test["x"])), -1))',
             'assert abs(final["classes/f1"] - whole_set) < 1e-9',
         )
+    ],
+    "11_finetuning.ipynb": [
+        (
+            "best = min(range(4), key=lambda i:",
+            "one_run = nbytes(adapters(0).model_without_params)\n"
+            "assert nbytes(pop.model_without_params) == one_run\n"
+            "assert int(pop.step) == 20 and pztrain.population_size(pop) == 4",
+        ),
+        (
+            "one = pztrain.member(pop, best)",
+            'assert "adapter_config.json" in written and "config.json" in written\n'
+            "assert not work.exists()",
+        ),
     ],
 }
 

@@ -47,14 +47,20 @@ def over_members(
     ``spread`` over devices (`counted_after`); any other function's outputs
     all get the member axis.
     """
-    in_axes = (_CARRY_AXES, Inputs(0, 0, 0 if member_batches else None))
+    batch_axis = 0 if member_batches else None
     out_axes = (_CARRY_AXES, 0, 0) if train else 0
-    mapped = jax.vmap(run, in_axes=in_axes, out_axes=out_axes)
 
     def population_run(carry: Carry, inputs: Inputs) -> Any:
         if member_batches:
             check_member_batch(inputs.batch, members)
-        out = mapped(carry, inputs)
+        # An array of the rest with a member axis of 1 is shared by every
+        # member (`pztrain.population.stack_members`): read once, not mapped.
+        shared = [members > 1 and np.shape(x)[:1] == (1,) for x in inputs.rest]
+        rest = [x[0] if s else x for x, s in zip(inputs.rest, shared, strict=True)]
+        rest_axes = [None if s else 0 for s in shared]
+        in_axes = (_CARRY_AXES, Inputs(0, rest_axes, batch_axis))
+        mapped = jax.vmap(run, in_axes=in_axes, out_axes=out_axes)
+        out = mapped(carry, inputs._replace(rest=rest))
         if not train or spread:
             return out
         return (counted_after(out[0]), *out[1:])
