@@ -12,11 +12,14 @@ from typing import Any
 __all__ = ["SPREAD", "plot_history"]
 
 
-def plot_history(history: Any, names: Any, split: str | None, fig: Any) -> Any:
+def plot_history(
+    history: Any, names: Any, split: str | None, fig: Any, member_labels: Any = None
+) -> Any:
     """Draws ``history``'s metrics on ``fig`` (a new figure if ``None``): the
     work of `pztrain.History.plot`, whose docstring says what it draws."""
     plt = _pyplot()
     panels = _panels(history, names, split)
+    labels = _member_labels(member_labels, panels)
     fig = plt.figure() if fig is None else fig
     fig.clear()
     cols = min(len(panels), 3) or 1
@@ -24,23 +27,34 @@ def plot_history(history: Any, names: Any, split: str | None, fig: Any) -> Any:
     fig.set_size_inches(4.5 * cols, 3.2 * rows)
     colours = _series_colours(panels)
     for i, (title, lines) in enumerate(panels.items()):
-        _draw(history, fig.add_subplot(rows, cols, i + 1), title, lines, colours)
+        ax = fig.add_subplot(rows, cols, i + 1)
+        _draw(history, ax, title, lines, colours, labels)
     fig.tight_layout()
     return fig
 
 
-def _draw(history: Any, ax: Any, title: str, lines: list, colours: dict) -> None:
+def _draw(
+    history: Any, ax: Any, title: str, lines: list, colours: dict, labels: dict
+) -> None:
     """One panel: its lines, in their series' colours (a population's
-    members thin, in their mean's), the legend right of the data."""
+    members thin, in their mean's; with ``labels``, member ``i`` in its own
+    colour with a legend entry ``labels[i]``), the legend right of the data."""
     means = {(s, n): label for s, n, label in lines if SPREAD.search(n) is None}
+    named: set[int] = set()
     for s, name, label in lines:
         member = SPREAD.search(name) is not None
-        mean = means.get((s, SPREAD.sub("", name))) if member else label
+        colour = colours.get(means.get((s, SPREAD.sub("", name))) if member else label)
+        index = _member_index(name)
+        if labels and index is not None:
+            label = labels[index] if index not in named else "_nolegend_"
+            colour = f"C{(len(colours) + sorted(labels).index(index)) % 10}"
+            named.add(index)
         ax.plot(
             *history.series(name, s),
             label=label,
-            color=colours.get(mean),
+            color=colour,
             marker="." if s == "eval" and not member else "",
+            linestyle=":" if s == "eval" and index is not None and labels else "-",
             **(_MEMBER_LINE if member else {}),
         )
     ax.set_title(title)
@@ -132,6 +146,29 @@ def _with_companions(
             if item not in out:
                 out.append(item)
     return out
+
+
+def _member_labels(given: Any, panels: dict) -> dict[int, str]:
+    """``History.plot``'s ``member_labels`` as ``{member: label}``, checked
+    against the members the plotted metrics logged."""
+    if given is None:
+        return {}
+    labels = dict(given) if hasattr(given, "keys") else dict(enumerate(given))
+    logged = {_member_index(n) for lines in panels.values() for _, n, _ in lines}
+    missing = sorted(logged - set(labels) - {None})
+    if missing:
+        raise ValueError(
+            f"History.plot: member_labels has no label for member(s) {missing}; "
+            f"it labels {sorted(labels)}. Give one label per member, in member "
+            "order (e.g. [f'lr={r:g}' for r in rates]) or as {member: label}."
+        )
+    return {i: str(label) for i, label in labels.items()}
+
+
+def _member_index(name: str) -> int | None:
+    """``i`` for a member's entry ``"<metric>/member_<i>"``, else ``None``."""
+    found = re.search(r"/member_(\d+)$", name)
+    return int(found[1]) if found else None
 
 
 def _pyplot() -> Any:

@@ -193,6 +193,12 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
     ],
     "populations.md": [
         (
+            'fig = history.plot(["loss", "eval/mse"], member_labels=labels)  '
+            "# mean bold",
+            "legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]\n"
+            'assert legend[:4] == ["lr=0.001", "lr=0.003", "lr=0.01", "lr=0.03"]',
+        ),
+        (
             "print(pop.summary())",
             "assert pztrain.population_size(pop) == 4 and pop.step.shape == ()\n"
             'assert pop.params["w"].shape == (4, 4)\n'
@@ -216,7 +222,7 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
             'assert placed.params["w"].sharding.spec[0] == "members"',
         ),
         (
-            'fig = history.plot(["loss", "eval/mse"])',
+            'labels = [f"lr={rate:g}" for rate in rates]',
             'assert np.isclose(train["loss"], np.mean(losses))\n'
             'assert train["loss/min"] == min(losses)\n'
             'assert np.isclose(train["learning_rate/member_2"], rates[2])',
@@ -475,6 +481,11 @@ NOTEBOOK_CHECKS = {
         ),
     ],
     "09_populations.ipynb": [
+        (
+            'fig = history.plot(["loss", "eval/accuracy"], member_labels=labels)',
+            "legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]\n"
+            'assert legend[:8] == [f"seed {i}" for i in range(8)], legend',
+        ),
         (
             "result = pztrain.evaluate(pop, eval_step, test_data)  # "
             "mean, min, max, per member",
