@@ -193,6 +193,14 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
     ],
     "populations.md": [
         (
+            "own, own_step, stacked_batches, num_steps=12, log_every=12, "
+            "progress=False",
+            'assert stacked_batches[0]["x"].shape == (4, 16, 4)\n'
+            "assert int(own.step) == 12 and len(stacked_batches) == 12\n"
+            "own_losses = [own_train[f'loss/member_{i}'] for i in range(4)]\n"
+            "assert np.isclose(own_train['loss'], np.mean(own_losses))",
+        ),
+        (
             'fig = history.plot(["loss", "eval/mse"], member_labels=labels)  '
             "# mean bold",
             "legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]\n"
