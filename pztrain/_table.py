@@ -83,11 +83,32 @@ def _wrapped(text: str, width: int) -> list[str]:
     return [first, *("  " + m for m in wrap_cell(text[len(first) :], width - 2))]
 
 
-def html_table(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
-    """The same table in HTML (a browser wraps it)."""
+def html_table(
+    header: Sequence[str], cells: Sequence[Sequence[str]], wrap: str | None = None
+) -> str:
+    """The same table in HTML. The column named ``wrap`` may break where the
+    text table's does, after a ``/``, ``.`` or ``,`` (inside a word only if it
+    must): its cells wrap in a narrow page instead of being cut.
+
+    Example:
+      >>> table = html_table(["part", "contents"], [["opt", "Adam(A, B)"]], "contents")
+      >>> table.count("overflow-wrap: anywhere"), "Adam(A,<wbr> B)" in table
+      (1, True)
+    """
+    wrap_at = list(header).index(wrap) if wrap is not None else None
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cell) + "</tr>"
+        "<tr>"
+        + "".join(
+            _WRAP_TD + "<wbr>".join(map(html.escape, _BREAK.split(c))) + "</td>"
+            if i == wrap_at
+            else f"<td>{html.escape(c)}</td>"
+            for i, c in enumerate(cell)
+        )
+        + "</tr>"
         for cell in cells
     )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+_WRAP_TD = '<td style="white-space: normal; overflow-wrap: anywhere">'
