@@ -47,7 +47,7 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
             'pztrain.ArrayLoader({"x": x, "y": y}, batch_size=64, seed=0, '
             "on_device=True),",
             'assert np.array_equal(loader.batch_at(30)["y"], '
-            'next(again.iter_from_step(30))["y"])',
+            'next(again.iter_from_step(30))["y"]) and same',
         ),
         (
             "examples = grain.MapDataset.source(source).map(decode_one)",
@@ -58,7 +58,8 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
         (
             "noise = np.stack([np.random.default_rng(p).normal(0, 0.01, 64) "
             "for p in positions])",
-            'assert loader.batch_at(3)["x"].shape == (64, 64)',
+            'assert loader.batch_at(3)["x"].shape == (64, 64)\n'
+            "assert 0 < moved < 0.1  # noise of scale 0.01",
         ),
         (
             "valid = pztrain.GrainLoader(source, batch_size=500, shuffle=False, "
