@@ -475,6 +475,8 @@ def test_plot_labels_each_member_in_a_legend_beside_the_data():
         by_member.setdefault(name, set()).add(line.get_color())
     assert all(len(by_member[label]) == 1 for label in labels)  # both splits
     assert len({c for label in labels for c in by_member[label]}) == 3
+    styles = [line.get_linestyle() for line in ax.lines]
+    assert styles == ["-"] * 3 + ["-"] + ["--"] * 3 + ["-"]  # eval members dashed
     assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1
     plt.close(fig)
 
@@ -484,6 +486,17 @@ def test_plot_labels_each_member_in_a_legend_beside_the_data():
         "b",
         "c",
     ]
+    plt.close(fig)
+    many = [
+        {
+            "step": s,
+            "split": "train",
+            "metrics": {f"loss/member_{i}": 1.0 + i for i in range(12)},
+        }
+        for s in (1, 2)
+    ]
+    fig = History(many).plot(["loss"], member_labels=[f"m{i}" for i in range(12)])
+    assert len({str(line.get_color()) for line in fig.axes[0].lines}) == 12
     plt.close(fig)
     with pytest.raises(ValueError, match=r"no label for member\(s\) \[2\]"):
         History(records).plot(["loss"], member_labels=labels[:2])
