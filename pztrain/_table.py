@@ -16,6 +16,7 @@ __all__ = ["html_table", "text_table", "wrap_cell"]
 WIDTH = 100  # columns of a text table (a terminal, a notebook's text output)
 _NUMERIC = {"count", "bytes", "arrays", "values", "per device"}
 _BREAK = re.compile(r"(?<=[/.,])")  # break after a separator
+_HTML_BREAK = re.compile(r"(?<=[/.,(])")  # and, in HTML, after a "(" too
 
 
 def wrap_cell(text: str, width: int) -> list[str]:
@@ -87,12 +88,13 @@ def html_table(
     header: Sequence[str], cells: Sequence[Sequence[str]], wrap: str | None = None
 ) -> str:
     """The same table in HTML. The column named ``wrap`` may break where the
-    text table's does, after a ``/``, ``.`` or ``,`` (inside a word only if it
-    must): its cells wrap in a narrow page instead of being cut.
+    text table's does, after a ``/``, ``.`` or ``,``, and after a ``(``
+    (inside a word only if it must): its cells wrap in a narrow page instead
+    of being cut.
 
     Example:
       >>> table = html_table(["part", "contents"], [["opt", "Adam(A, B)"]], "contents")
-      >>> table.count("overflow-wrap: anywhere"), "Adam(A,<wbr> B)" in table
+      >>> table.count("overflow-wrap: break-word"), "Adam(<wbr>A,<wbr> B)" in table
       (1, True)
     """
     wrap_at = list(header).index(wrap) if wrap is not None else None
@@ -100,7 +102,7 @@ def html_table(
     body = "".join(
         "<tr>"
         + "".join(
-            _WRAP_TD + "<wbr>".join(map(html.escape, _BREAK.split(c))) + "</td>"
+            _WRAP_TD + "<wbr>".join(map(html.escape, _HTML_BREAK.split(c))) + "</td>"
             if i == wrap_at
             else f"<td>{html.escape(c)}</td>"
             for i, c in enumerate(cell)
@@ -111,4 +113,7 @@ def html_table(
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-_WRAP_TD = '<td style="white-space: normal; overflow-wrap: anywhere">'
+# wraps at its <wbr>s (inside a word only if it must), never under 16 characters
+_WRAP_TD = (
+    '<td style="white-space: normal; overflow-wrap: break-word; min-width: 16ch">'
+)

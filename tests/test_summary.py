@@ -261,7 +261,7 @@ def test_html_breaks_lines_as_the_text_does_and_wraps_its_long_columns():
     assert f"<p>{first}<br>{second}</p>" in page
     wrapping = re.findall(r'<td style="([^"]*)">([^<]*(?:<wbr>[^<]*)*)</td>', page)
     assert len(wrapping) == 1 + 4  # the one array's name, each part's contents
-    assert all("overflow-wrap: anywhere" in style for style, _ in wrapping)
+    assert all("overflow-wrap: break-word" in style for style, _ in wrapping)
     cells = {text.replace("<wbr>", "") for _, text in wrapping}
     assert "encoder/block_0/attention.weights" in cells
     assert "encoder/<wbr>block_0/<wbr>attention.<wbr>weights" in page
