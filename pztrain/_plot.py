@@ -12,36 +12,50 @@ from typing import Any
 __all__ = ["SPREAD", "plot_history"]
 
 
-def plot_history(history: Any, names: Any, split: str | None, fig: Any) -> Any:
+def plot_history(
+    history: Any, names: Any, split: str | None, fig: Any, member_labels: Any = None
+) -> Any:
     """Draws ``history``'s metrics on ``fig`` (a new figure if ``None``): the
     work of `pztrain.History.plot`, whose docstring says what it draws."""
     plt = _pyplot()
     panels = _panels(history, names, split)
+    colours = _series_colours(panels)
+    members = _member_styles(_member_labels(member_labels, panels), len(colours))
     fig = plt.figure() if fig is None else fig
     fig.clear()
     cols = min(len(panels), 3) or 1
     rows = -(-len(panels) // cols)
     fig.set_size_inches(4.5 * cols, 3.2 * rows)
-    colours = _series_colours(panels)
     for i, (title, lines) in enumerate(panels.items()):
-        _draw(history, fig.add_subplot(rows, cols, i + 1), title, lines, colours)
+        ax = fig.add_subplot(rows, cols, i + 1)
+        _draw(history, ax, title, lines, colours, members)
     fig.tight_layout()
     return fig
 
 
-def _draw(history: Any, ax: Any, title: str, lines: list, colours: dict) -> None:
+def _draw(
+    history: Any, ax: Any, title: str, lines: list, colours: dict, members: dict
+) -> None:
     """One panel: its lines, in their series' colours (a population's
-    members thin, in their mean's), the legend right of the data."""
+    members thin, in their mean's; a member of ``members`` in its own colour,
+    its eval line dashed, with one legend entry), the legend right of the data."""
     means = {(s, n): label for s, n, label in lines if SPREAD.search(n) is None}
+    named: set[int] = set()
     for s, name, label in lines:
         member = SPREAD.search(name) is not None
-        mean = means.get((s, SPREAD.sub("", name))) if member else label
+        colour = colours.get(means.get((s, SPREAD.sub("", name))) if member else label)
+        style = _MEMBER_LINE if member else {}
+        if (index := _member_index(name)) in members:
+            label, colour = members[index]
+            label = "_nolegend_" if index in named else label
+            style = {**_LABELLED_LINE, "linestyle": "--" if s == "eval" else "-"}
+            named.add(index)
         ax.plot(
             *history.series(name, s),
             label=label,
-            color=colours.get(mean),
+            color=colour,
             marker="." if s == "eval" and not member else "",
-            **(_MEMBER_LINE if member else {}),
+            **style,
         )
     ax.set_title(title)
     ax.set_xlabel("step")
@@ -94,6 +108,7 @@ def _panels(history: Any, names, split) -> dict[str, list[tuple[str, str, str]]]
 # leaves them out.
 SPREAD = re.compile(r"/(member_\d+|min|max|diverged)$")
 _MEMBER_LINE = {"linewidth": 0.8, "alpha": 0.45}
+_LABELLED_LINE = {"linewidth": 1.1, "alpha": 0.85}
 
 
 def _series_colours(panels: dict[str, list[tuple[str, str, str]]]) -> dict[str, str]:
@@ -132,6 +147,41 @@ def _with_companions(
             if item not in out:
                 out.append(item)
     return out
+
+
+def _member_labels(given: Any, panels: dict) -> dict[int, str]:
+    """``History.plot``'s ``member_labels`` as ``{member: label}``, checked
+    against the members the plotted metrics logged."""
+    if given is None:
+        return {}
+    labels = dict(given) if hasattr(given, "keys") else dict(enumerate(given))
+    logged = {_member_index(n) for lines in panels.values() for _, n, _ in lines}
+    missing = sorted(logged - set(labels) - {None})
+    if missing:
+        raise ValueError(
+            f"History.plot: member_labels has no label for member(s) {missing}; "
+            f"it labels {sorted(labels)}. Give one label per member, in member "
+            "order (e.g. [f'lr={r:g}' for r in rates]) or as {member: label}."
+        )
+    return {i: str(label) for i, label in labels.items()}
+
+
+def _member_styles(labels: dict[int, str], series: int) -> dict[int, tuple]:
+    """Member -> its legend entry and colour: the matplotlib cycle's colours
+    the ``series`` means leave free, or, for more members, viridis's."""
+    free = [f"C{i}" for i in range(series, 10)]
+    if len(labels) > len(free):
+        import matplotlib
+
+        cmap = matplotlib.colormaps["viridis"]
+        free = [cmap(0.9 * k / max(len(labels) - 1, 1)) for k in range(len(labels))]
+    return {i: (labels[i], free[k]) for k, i in enumerate(sorted(labels))}
+
+
+def _member_index(name: str) -> int | None:
+    """``i`` for a member's entry ``"<metric>/member_<i>"``, else ``None``."""
+    found = re.search(r"/member_(\d+)$", name)
+    return int(found[1]) if found else None
 
 
 def _pyplot() -> Any:

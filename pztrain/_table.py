@@ -16,6 +16,7 @@ __all__ = ["html_table", "text_table", "wrap_cell"]
 WIDTH = 100  # columns of a text table (a terminal, a notebook's text output)
 _NUMERIC = {"count", "bytes", "arrays", "values", "per device"}
 _BREAK = re.compile(r"(?<=[/.,])")  # break after a separator
+_HTML_BREAK = re.compile(r"(?<=[/.,(])")  # and, in HTML, after a "(" too
 
 
 def wrap_cell(text: str, width: int) -> list[str]:
@@ -83,11 +84,36 @@ def _wrapped(text: str, width: int) -> list[str]:
     return [first, *("  " + m for m in wrap_cell(text[len(first) :], width - 2))]
 
 
-def html_table(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
-    """The same table in HTML (a browser wraps it)."""
+def html_table(
+    header: Sequence[str], cells: Sequence[Sequence[str]], wrap: str | None = None
+) -> str:
+    """The same table in HTML. The column named ``wrap`` may break where the
+    text table's does, after a ``/``, ``.`` or ``,``, and after a ``(``
+    (inside a word only if it must): its cells wrap in a narrow page instead
+    of being cut.
+
+    Example:
+      >>> table = html_table(["part", "contents"], [["opt", "Adam(A, B)"]], "contents")
+      >>> table.count("overflow-wrap: break-word"), "Adam(<wbr>A,<wbr> B)" in table
+      (1, True)
+    """
+    wrap_at = list(header).index(wrap) if wrap is not None else None
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cell) + "</tr>"
+        "<tr>"
+        + "".join(
+            _WRAP_TD + "<wbr>".join(map(html.escape, _HTML_BREAK.split(c))) + "</td>"
+            if i == wrap_at
+            else f"<td>{html.escape(c)}</td>"
+            for i, c in enumerate(cell)
+        )
+        + "</tr>"
         for cell in cells
     )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+# wraps at its <wbr>s (inside a word only if it must), never under 16 characters
+_WRAP_TD = (
+    '<td style="white-space: normal; overflow-wrap: break-word; min-width: 16ch">'
+)

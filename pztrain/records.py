@@ -218,6 +218,7 @@ class History:
         split: str | None = None,
         *,
         fig: Any = None,
+        member_labels: Sequence[str] | dict[int, str] | None = None,
     ) -> Any:
         """Plots metrics against steps with matplotlib (optional extra ``plot``).
 
@@ -228,19 +229,25 @@ class History:
         line, and ``"grad_norm"`` the per-parameter panel, when they were logged. For a
         population (`pztrain.population`) a metric's panel has a thin line per member
         (``"loss/member_<i>"``) under its mean, drawn bold. Each series (train, an
-        evaluation, an EMA) has one colour on every panel.
+        evaluation, an EMA) has one colour on every panel. With ``member_labels``
+        each member has its own colour and a legend entry saying what sets it
+        apart (its learning rate, its seed), its eval line dotted.
 
         Args:
           names: Metrics to plot: ``"loss"`` (train and eval) or
             ``"eval/loss"`` (one split); default: every metric logged.
           split: ``"train"`` or ``"eval"`` alone (default: both).
           fig: A matplotlib figure to clear and draw on (default: a new one).
+          member_labels: A population's members' legend entries, one per member in
+            member order (``[f"lr={r:g}" for r in rates]``) or ``{member: label}``;
+            default: the members share one entry, ``"train members"``.
 
         Returns:
           The figure.
 
         Raises:
-          ValueError: for a name that was not logged, or an unknown split.
+          ValueError: for a name that was not logged, an unknown split, or a
+            plotted member that ``member_labels`` does not label.
 
         Example:
           >>> import matplotlib; matplotlib.use("Agg"); from pztrain import History
@@ -258,9 +265,12 @@ class History:
           ...     for s in (1, 2)])
           >>> [line.get_label() for line in pop.plot().axes[0].lines]
           ['train members', '_nolegend_', 'train']
+          >>> fig = pop.plot(member_labels=["lr=0.1", "lr=0.01"])
+          >>> [line.get_label() for line in fig.axes[0].lines]
+          ['lr=0.1', 'lr=0.01', 'train']
           >>> plt.close("all")
         """
-        return plot_history(self, names, split, fig)
+        return plot_history(self, names, split, fig, member_labels)
 
 
 def read_jsonl(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -47,7 +47,7 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
             'pztrain.ArrayLoader({"x": x, "y": y}, batch_size=64, seed=0, '
             "on_device=True),",
             'assert np.array_equal(loader.batch_at(30)["y"], '
-            'next(again.iter_from_step(30))["y"])',
+            'next(again.iter_from_step(30))["y"]) and same',
         ),
         (
             "examples = grain.MapDataset.source(source).map(decode_one)",
@@ -58,7 +58,8 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
         (
             "noise = np.stack([np.random.default_rng(p).normal(0, 0.01, 64) "
             "for p in positions])",
-            'assert loader.batch_at(3)["x"].shape == (64, 64)',
+            'assert loader.batch_at(3)["x"].shape == (64, 64)\n'
+            "assert 0 < moved < 0.1  # noise of scale 0.01",
         ),
         (
             "valid = pztrain.GrainLoader(source, batch_size=500, shuffle=False, "
@@ -193,6 +194,20 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
     ],
     "populations.md": [
         (
+            "own, own_step, stacked_batches, num_steps=12, log_every=12, "
+            "progress=False",
+            'assert stacked_batches[0]["x"].shape == (4, 16, 4)\n'
+            "assert int(own.step) == 12 and len(stacked_batches) == 12\n"
+            "own_losses = [own_train[f'loss/member_{i}'] for i in range(4)]\n"
+            "assert np.isclose(own_train['loss'], np.mean(own_losses))",
+        ),
+        (
+            'fig = history.plot(["loss", "eval/mse"], member_labels=labels)  '
+            "# mean bold",
+            "legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]\n"
+            'assert legend[:4] == ["lr=0.001", "lr=0.003", "lr=0.01", "lr=0.03"]',
+        ),
+        (
             "print(pop.summary())",
             "assert pztrain.population_size(pop) == 4 and pop.step.shape == ()\n"
             'assert pop.params["w"].shape == (4, 4)\n'
@@ -216,7 +231,7 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
             'assert placed.params["w"].sharding.spec[0] == "members"',
         ),
         (
-            'fig = history.plot(["loss", "eval/mse"])',
+            'labels = [f"lr={rate:g}" for rate in rates]',
             'assert np.isclose(train["loss"], np.mean(losses))\n'
             'assert train["loss/min"] == min(losses)\n'
             'assert np.isclose(train["learning_rate/member_2"], rates[2])',
@@ -475,6 +490,11 @@ NOTEBOOK_CHECKS = {
         ),
     ],
     "09_populations.ipynb": [
+        (
+            'fig = history.plot(["loss", "eval/accuracy"], member_labels=labels)',
+            "legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]\n"
+            'assert legend[:8] == [f"seed {i}" for i in range(8)], legend',
+        ),
         (
             "result = pztrain.evaluate(pop, eval_step, test_data)  # "
             "mean, min, max, per member",

@@ -447,3 +447,57 @@ def test_plot_keeps_one_colour_per_series_and_legends_off_the_data():
     loss, lr = ({ln.get_label(): ln.get_color() for ln in ax.lines} for ax in fig.axes)
     assert loss["train"] == lr["train"] == loss["train members"]
     plt.close(fig)
+
+
+def test_plot_labels_each_member_in_a_legend_beside_the_data():
+    """``member_labels``: a legend entry and a colour per member (one colour on
+    every panel and split, its eval line dotted), the legend right of the data;
+    a plotted member without a label is an error naming it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    members = {f"loss/member_{i}": 1.0 + i for i in range(3)}
+    records = []
+    for s in (1, 2):
+        records += [
+            {"step": s, "split": "train", "metrics": {"loss": 2.0, **members}},
+            {"step": s, "split": "eval", "metrics": {"loss": 2.5, **members}},
+        ]
+    labels = ["lr=0.1", "lr=0.01", "lr=0.001"]
+    fig = History(records).plot(["loss"], member_labels=labels)
+    (ax,) = fig.axes
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == [*labels, "train", "eval"]
+    by_member: dict[str, set] = {}
+    for line, name in zip(ax.lines, [*labels, "train", *labels, "eval"], strict=True):
+        by_member.setdefault(name, set()).add(line.get_color())
+    assert all(len(by_member[label]) == 1 for label in labels)  # both splits
+    assert len({c for label in labels for c in by_member[label]}) == 3
+    styles = [line.get_linestyle() for line in ax.lines]
+    assert styles == ["-"] * 3 + ["-"] + ["--"] * 3 + ["-"]  # eval members dashed
+    assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1
+    plt.close(fig)
+
+    fig = History(records).plot(["loss"], member_labels={0: "a", 1: "b", 2: "c"})
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()][:3] == [
+        "a",
+        "b",
+        "c",
+    ]
+    plt.close(fig)
+    many = [
+        {
+            "step": s,
+            "split": "train",
+            "metrics": {f"loss/member_{i}": 1.0 + i for i in range(12)},
+        }
+        for s in (1, 2)
+    ]
+    fig = History(many).plot(["loss"], member_labels=[f"m{i}" for i in range(12)])
+    assert len({str(line.get_color()) for line in fig.axes[0].lines}) == 12
+    plt.close(fig)
+    with pytest.raises(ValueError, match=r"no label for member\(s\) \[2\]"):
+        History(records).plot(["loss"], member_labels=labels[:2])
+    plt.close("all")

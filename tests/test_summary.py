@@ -26,6 +26,7 @@ from models import (
 )
 from penzai import pz
 
+import pztrain
 from pztrain.state import DonatedStateError, TrainState
 from pztrain.step import build_train_step
 from pztrain.summary import Summary, optimizer_state_types, summarize
@@ -241,8 +242,31 @@ def test_html_has_tables_and_escapes():
     )
     page = state.summary()._repr_html_()
     assert page.count("<table>") == 2
-    assert "<td>a&lt;b&gt;</td>" in page and "<td>opt_state</td>" in page
+    assert ">a&lt;b&gt;</td>" in page and "<td>opt_state</td>" in page
     assert "ScaleByAdamState" in page
+
+
+def test_html_breaks_lines_as_the_text_does_and_wraps_its_long_columns():
+    """A population's title is two lines in HTML too; the contents and name
+    columns may break after a separator and wrap instead of being cut."""
+
+    def init(seed):
+        tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+        model = {"encoder/block_0/attention.weights": jnp.zeros(2)}
+        return TrainState.initial_state(model, tx, jax.random.key(seed))
+
+    summary = pztrain.make_population(init, seeds=range(2)).summary()
+    first, second = summary.title.splitlines()
+    page = summary._repr_html_()
+    assert f"<p>{first}<br>{second}</p>" in page
+    wrapping = re.findall(r'<td style="([^"]*)">([^<]*(?:<wbr>[^<]*)*)</td>', page)
+    assert len(wrapping) == 1 + 4  # the one array's name, each part's contents
+    assert all("overflow-wrap: break-word" in style for style, _ in wrapping)
+    cells = {text.replace("<wbr>", "") for _, text in wrapping}
+    assert "encoder/block_0/attention.weights" in cells
+    assert "encoder/<wbr>block_0/<wbr>attention.<wbr>weights" in page
+    contents = next(t for _, t in wrapping if "InjectStatefulHyperparamsState" in t)
+    assert ",<wbr> " in contents  # breaks where the text table's contents break
 
 
 def test_optimizer_state_types_nest():

@@ -98,10 +98,11 @@ class Summary(str):
 
     def _repr_html_(self) -> str:
         sharded = len(self._header) > len(_ROW_HEADER)
+        title = "<br>".join(map(html.escape, self.title.splitlines()))
         return (
-            f"<div><p>{html.escape(self.title)}</p>"
-            + html_table(self._header, _row_cells(self.rows, sharded))
-            + html_table(_TOTAL_HEADER, self.totals)
+            f"<div><p>{title}</p>"
+            + html_table(self._header, _row_cells(self.rows, sharded), "name")
+            + html_table(_TOTAL_HEADER, self.totals, "contents")
             + f"<p>step: {self.step}<br>key: {html.escape(self.key)}</p></div>"
         )
 
