@@ -27,7 +27,14 @@ AXES: dict[str, tuple[str, ...]] = {
     # refuse: a bad monitor (nothing may be written); badbatch: a batch the
     # loss cannot take (the same error and notes in and out of fit)
     "stop": (
-        "end", "early", "nan", "sigint", "sigterm", "raise", "refuse", "badbatch"
+        "end",
+        "early",
+        "nan",
+        "sigint",
+        "sigterm",
+        "raise",
+        "refuse",
+        "badbatch",
     ),  # fmt: skip
     "ckpt": ("none", "keep1", "keepbest", "ema"),
     "step": ("plain", "spc2", "micro2", "norms"),

@@ -14,8 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import AxisType
-from models import dict_mlp_apply, dict_mlp_params, logits_of
-from models import equinox_mlp, penzai_v1_mlp, penzai_v2_mlp
+from models import (
+    dict_mlp_apply,
+    dict_mlp_params,
+    equinox_mlp,
+    logits_of,
+    penzai_v1_mlp,
+    penzai_v2_mlp,
+)
 from nnx_models import mlp as nnx_mlp
 
 import pztrain
@@ -77,7 +83,9 @@ def family_model(family: str, seed: int):
 
 
 def optimizer(row) -> optax.GradientTransformation:
-    tx = optax.adam(0.05)
+    # eps=1e-3: a bias before BatchNorm has a zero gradient but for rounding,
+    # which Adam with eps=1e-8 would turn into steps of the full learning rate
+    tx = optax.adam(0.05, eps=1e-3)
     return pztrain.with_ema(tx, decay=0.9) if row["ckpt"] == "ema" else tx
 
 
@@ -180,12 +188,14 @@ class MemberLoader(StepLoader):
         return _stack([loader.batch_at(step) for loader in self.loaders])
 
     def epoch(self, epoch=0):
-        for batches in zip(*(loader.epoch(epoch) for loader in self.loaders)):
+        for batches in zip(
+            *(loader.epoch(epoch) for loader in self.loaders), strict=True
+        ):
             yield _stack(batches)
 
     def iter_from_step(self, step, steps_per_call=1):
         its = [loader.iter_from_step(step, steps_per_call) for loader in self.loaders]
-        for batches in zip(*its):
+        for batches in zip(*its, strict=True):
             yield _stack(batches)
 
 
@@ -200,7 +210,9 @@ def train_data(row, step: pztrain.TrainStep, member: int | None = None):
     if row["data"] == "permember":
         if member is not None:
             return pztrain.ArrayLoader(data, BATCH, seed=member)
-        loaders = [pztrain.ArrayLoader(data, BATCH, seed=i) for i in range(members(row))]
+        loaders = [
+            pztrain.ArrayLoader(data, BATCH, seed=i) for i in range(members(row))
+        ]
         return MemberLoader(loaders)
     sharding = None if member is not None else step.batch_sharding
     if row["data"] == "grain":

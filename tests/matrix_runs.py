@@ -161,8 +161,8 @@ def check_bad_batch(row, tmp: Path) -> None:
 
 
 def expected_final(row, step) -> int:
-    if row["stop"] == "early":
-        return STOP_AT  # patience 1: the second check of its monitor
+    if row["stop"] == "early":  # patience 1: the second check of its monitor
+        return 2 * (evaluations(row, step)[1].get("probe/") or LOG_EVERY)
     if row["stop"] == "nan":  # the log point after the first NaN step
         return LOG_EVERY * math.ceil((first_nan_step(row, step) + 1) / LOG_EVERY)
     return NUM_STEPS
@@ -195,17 +195,22 @@ def check_log(row, step, run: Path, final: int, history) -> None:
     _, cadence = evaluations(row, step)
     evals = [r for r in logged if r.get("split") == "eval"]
     for prefix, every in cadence.items():
-        ran = [r["step"] for r in evals if any(k.startswith(prefix) for k in r["metrics"])]
+        ran = [
+            r["step"] for r in evals if any(k.startswith(prefix) for k in r["metrics"])
+        ]
         due = sorted({*(range(every, final + 1, every) if every else ()), final})
         assert ran == due, (prefix or "eval_step", ran, due)
     if history is not None:
-        mine = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in history.to_dicts()]
+        mine = [
+            {k: v for k, v in r.items() if k not in TIMING_KEYS}
+            for r in history.to_dicts()
+        ]
         same_records(mine, logged)
 
 
 def same_records(got: list[dict], want: list[dict]) -> None:
     """The same records, the first difference shown."""
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=False)):
         assert a == b, f"record {i} differs:\n got  {a}\n want {b}"
     assert len(got) == len(want), [(r["step"], r.get("split")) for r in got]
 
@@ -238,7 +243,9 @@ def best_saved_step(row, run: Path, final: int) -> int:
     values = {
         r["step"]: r["metrics"][key]
         for r in records(run)
-        if r.get("split", "train") == split and r["step"] in saved and key in r["metrics"]
+        if r.get("split", "train") == split
+        and r["step"] in saved
+        and key in r["metrics"]
     }
     return min(values, key=lambda s: (values[s], -s))
 
@@ -254,12 +261,11 @@ def check_member_equals_solo(row, pop, final: int) -> None:
         log_every=LOG_EVERY,
         progress=False,
     )
-    got = pztrain.member(pop, 1)
-    for name, value in solo.params.items():
-        np.testing.assert_allclose(
-            np.asarray(got.params[name]), np.asarray(value), rtol=2e-4, atol=2e-5,
-            err_msg=name,
-        )  # fmt: skip
+    got = jax.tree_util.tree_leaves_with_path(pztrain.member(pop, 1).params)
+    want = jax.tree_util.tree_leaves_with_path(solo.params)
+    for (path, a), (_, b) in zip(got, want, strict=True):
+        name = jax.tree_util.keystr(path)
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5, err_msg=name)
 
 
 # -- the evaluation job -------------------------------------------------------------
@@ -272,7 +278,9 @@ def run_job_row(job_row: dict, tmp: Path) -> None:
     row["devices"] = "1dev"
     step = train_step(row)
     fit(row, new_state(row), step, tmp / "run")
-    ev = pztrain.Evaluation("valid", pztrain.build_eval_step(eval_fn), eval_loader(step))
+    ev = pztrain.Evaluation(
+        "valid", pztrain.build_eval_step(eval_fn), eval_loader(step)
+    )
     job = pztrain.evaluate_checkpoints(
         tmp / "run-ckpt", new_state(row), [ev], run_dir=tmp / "job", follow=False
     )
@@ -281,4 +289,6 @@ def run_job_row(job_row: dict, tmp: Path) -> None:
     last = [r for r in records(tmp / "run") if r.get("split") == "eval"][-1]
     assert last["step"] == NUM_STEPS == steps[-1]
     for key, value in last["metrics"].items():
-        np.testing.assert_allclose(job.records[-1]["metrics"]["valid/" + key], value, rtol=1e-6)
+        np.testing.assert_allclose(
+            job.records[-1]["metrics"]["valid/" + key], value, rtol=1e-6
+        )

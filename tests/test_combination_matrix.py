@@ -39,9 +39,7 @@ def _param(row):
     return pytest.param(row, id=row_id(row), marks=marks)
 
 
-@pytest.mark.parametrize(
-    "axes", [AXES, JOB_AXES], ids=["matrix", "evaluation_job"]
-)
+@pytest.mark.parametrize("axes", [AXES, JOB_AXES], ids=["matrix", "evaluation_job"])
 def test_rows_cover_every_pair_and_honour_the_constraints(axes):
     rows = all_pairs(axes)
     assert rows == all_pairs(axes)  # deterministic

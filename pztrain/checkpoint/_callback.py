@@ -421,7 +421,10 @@ class Checkpoints(Callback):
         step = int(state.step)
         if self.points.final(step):
             self.save(state, step, self._metrics_at(step))
-        if self.keep_best and self._saves and not self._ranked:
+        # A run stopped by a signal before its monitor's first value is not
+        # monitoring a wrong metric: the resumed run ranks its saves.
+        stopped = getattr(history, "stop_reason", None) in ("interrupted", "preempted")
+        if self.keep_best and self._saves and not self._ranked and not stopped:
             warnings.warn(
                 f"Checkpoints(keep_best={self.keep_best}) ranked no checkpoint: no "
                 f"save saw the metric {self.monitor!r}. Monitor a metric the run "
