@@ -4,6 +4,7 @@ stops, checkpoints, step options and devices of a row, as `fit` arguments."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 
@@ -157,17 +158,29 @@ def new_state(row, seed: int | None = None) -> pztrain.TrainState:
 
 
 def train_step(row, solo: bool = False) -> pztrain.TrainStep:
+    """The row's train step (``solo``: for a member's run alone), shared by
+    the rows that build the same one (its programs compile once)."""
+    on_mesh = row["devices"] == "8dev" and members(row) is None and not solo
+    per_member = row["data"] == "permember" and not solo
+    return _train_step(row["step"], on_mesh, per_member)
+
+
+@functools.cache
+def _train_step(kind: str, on_mesh: bool, per_member: bool) -> pztrain.TrainStep:
     options = {
         "plain": {},
         "spc2": {"steps_per_call": 2},
         "micro2": {"microbatches": 2},
         "norms": {"grad_norms": "global"},
-    }[row["step"]]
-    mesh = mesh_of(row)
-    if mesh is not None and members(row) is None and not solo:
-        options["mesh"] = mesh
-    per_member = row["data"] == "permember" and not solo
+    }[kind]
+    if on_mesh:
+        options["mesh"] = mesh_of({"devices": "8dev", "members": "solo"})
     return pztrain.build_train_step(loss_fn, member_batches=per_member, **options)
+
+
+@functools.cache
+def eval_step() -> pztrain.EvalStep:
+    return pztrain.build_eval_step(eval_fn)
 
 
 # -- data -----------------------------------------------------------------------
@@ -243,7 +256,7 @@ def param_norm(state) -> dict[str, float]:
 
 def evaluations(row, step) -> tuple[dict, dict[str, int | None]]:
     """``fit``'s evaluation arguments and ``{metric prefix: every}``."""
-    ev = pztrain.build_eval_step(eval_fn)
+    ev = eval_step()
     kind = row["evals"]
     if kind == "unnamed":
         return {"eval_step": ev, "eval_data": eval_loader(step), "eval_every": 4}, {

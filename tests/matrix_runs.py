@@ -18,8 +18,8 @@ from matrix_parts import (
     STOP_AT,
     Boom,
     checkpoints,
-    eval_fn,
     eval_loader,
+    eval_step,
     evaluations,
     members,
     monitor,
@@ -278,9 +278,7 @@ def run_job_row(job_row: dict, tmp: Path) -> None:
     row["devices"] = "1dev"
     step = train_step(row)
     fit(row, new_state(row), step, tmp / "run")
-    ev = pztrain.Evaluation(
-        "valid", pztrain.build_eval_step(eval_fn), eval_loader(step)
-    )
+    ev = pztrain.Evaluation("valid", eval_step(), eval_loader(step))
     job = pztrain.evaluate_checkpoints(
         tmp / "run-ckpt", new_state(row), [ev], run_dir=tmp / "job", follow=False
     )

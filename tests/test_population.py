@@ -273,6 +273,18 @@ def test_a_per_member_batch_of_the_wrong_size_is_refused():
         step(population(), x=np.stack([X] * 3), y=np.stack([Y] * 4))
 
 
+def test_metric_sums_of_per_member_batches_of_several_steps_a_call():
+    """member_batches with steps_per_call=2 (the member axis, then the steps):
+    `fit`'s metric sums come from one step's slice of every member's batch,
+    not from member 0's steps (a combination-matrix row failed in `fit`)."""
+    per = pztrain.build_train_step(loss_fn, member_batches=True, steps_per_call=2)
+    xs = np.stack([X[i : i + 32].reshape(2, 16, 3) for i in range(4)])
+    ys = np.stack([Y[i : i + 32].reshape(2, 16) for i in range(4)])
+    sums = per.metric_sums(population(), {"x": xs, "y": ys})
+    _, aux = per(population(), x=xs, y=ys)
+    assert sorted(sums.names) == sorted(aux) == ["acc", "loss"]
+
+
 def test_population_inside_the_users_own_scan():
     step = pztrain.build_train_step(loss_fn)
     pop, aux = jax.lax.scan(

@@ -337,8 +337,12 @@ class TrainStep:
         if not isinstance(batch, Mapping):
             batch = batch.batch_shapes()
         elif self.steps_per_call > 1:  # the metrics of one step, from one slice
+            axis = 1 if self.member_batches else 0  # the members, then the steps
             batch = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch
+                lambda x: jax.ShapeDtypeStruct(
+                    x.shape[:axis] + x.shape[axis + 1 :], x.dtype
+                ),
+                batch,
             )
         found = self._lookup(state)
         carry, inputs = args_of(state, found, batch, opt_state=False)
