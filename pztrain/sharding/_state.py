@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pztrain._tree import path_name
+from pztrain._tree import is_array, path_name
 from pztrain.sharding._rules import (
     ShardingError,
     ShardingRules,
@@ -174,6 +175,8 @@ def shard_state(
 
 
 def _put(x: Any, sharding: NamedSharding) -> Any:
+    if not (is_array(x) or isinstance(x, numbers.Number)):
+        return x  # a library module's own leaf (eqx.nn.MLP's activation): kept
     if sharding.is_fully_addressable:
         return jax.device_put(x, sharding, may_alias=False)
     # Several processes: each holds the whole value and keeps its own shards.
@@ -214,9 +217,30 @@ def sharded_initial_state(
       >>> tuple(s.params["w"].sharding.spec), float(s.params["w"].sum())
       (('data',), 8.0)
     """
-    abstract = jax.eval_shape(make_state)
+    # Arrays come out of eval_shape and jit; a module's other leaves (eqx.nn.MLP's
+    # activation, a function) cannot, and are kept as make_state made them.
+    made: dict[str, Any] = {}
+
+    def make_arrays() -> list[Any]:
+        leaves, made["treedef"] = jax.tree.flatten(make_state())
+        made["others"] = [None if _traced(x) else x for x in leaves]
+        return [x for x in leaves if _traced(x)]
+
+    def whole(arrays: list[Any]) -> TrainState:
+        found = iter(arrays)
+        leaves = [next(found) if x is None else x for x in made["others"]]
+        return jax.tree.unflatten(made["treedef"], leaves)
+
+    abstract = whole(jax.eval_shape(make_arrays))
     shardings = state_shardings(abstract, mesh, rules)
-    return jax.jit(make_state, out_shardings=shardings)()
+    out = [s for s, x in zip(jax.tree.leaves(shardings), made["others"], strict=True)
+           if x is None]  # fmt: skip
+    return whole(jax.jit(make_arrays, out_shardings=out)())
+
+
+def _traced(x: Any) -> bool:
+    """A leaf that `jax.jit` returns: an array (or a tracer), or a number."""
+    return is_array(x) or isinstance(x, numbers.Number)
 
 
 def data_sharding(
