@@ -216,7 +216,7 @@ def _stack(batches):
     return {k: np.stack([np.asarray(b[k]) for b in batches]) for k in batches[0]}
 
 
-def train_data(row, step: pztrain.TrainStep, member: int | None = None):
+def train_data(row, member: int | None = None):
     """The row's train loader (``member``: that member's own, for its solo run)."""
     poison, bad = row["stop"] == "nan", row["stop"] == "badbatch"
     data = arrays(0, N, poison, bad)
@@ -227,7 +227,7 @@ def train_data(row, step: pztrain.TrainStep, member: int | None = None):
             pztrain.ArrayLoader(data, BATCH, seed=i) for i in range(members(row))
         ]
         return MemberLoader(loaders)
-    sharding = None if member is not None else step.batch_sharding
+    sharding = one_batch_sharding(row) if member is None else None
     if row["data"] == "grain":
         source = grain.MapDataset.range(N).map(lambda i: example(i, poison, bad))
         return pztrain.GrainLoader(source, BATCH, seed=0, sharding=sharding)
@@ -237,13 +237,21 @@ def train_data(row, step: pztrain.TrainStep, member: int | None = None):
     )
 
 
-def eval_loader(step, first: int = N) -> pztrain.ArrayLoader:
+def one_batch_sharding(row):
+    """The sharding of one batch: examples over ``data`` for one run on the
+    mesh (a population's members are split instead: its batches are not)."""
+    mesh = mesh_of(row)
+    if mesh is None or members(row) is not None:
+        return None
+    return pztrain.sharding.data_sharding(mesh)
+
+
+def eval_loader(row, first: int = N) -> pztrain.ArrayLoader:
     return pztrain.ArrayLoader(
         arrays(first, EVAL_N),
         BATCH,
-        shuffle=False,
-        drop_remainder=False,
-        sharding=step.batch_sharding,
+        shuffle=False,  # the last partial batch: evaluated after the epoch
+        sharding=one_batch_sharding(row),
     )
 
 
@@ -259,20 +267,20 @@ def evaluations(row, step) -> tuple[dict, dict[str, int | None]]:
     ev = eval_step()
     kind = row["evals"]
     if kind == "unnamed":
-        return {"eval_step": ev, "eval_data": eval_loader(step), "eval_every": 4}, {
+        return {"eval_step": ev, "eval_data": eval_loader(row), "eval_every": 4}, {
             "": 4
         }
     if kind == "named2":
         named = [
-            pztrain.Evaluation("val", ev, eval_loader(step), every=4),
-            pztrain.Evaluation("test", ev, eval_loader(step, N + EVAL_N), every=8),
+            pztrain.Evaluation("val", ev, eval_loader(row), every=4),
+            pztrain.Evaluation("test", ev, eval_loader(row, N + EVAL_N), every=8),
         ]
         return {"evaluations": named}, {"val/": 4, "test/": 8}
     if kind == "hostfn":
         return {"evaluations": [pztrain.Evaluation("probe", param_norm, every=8)]}, {
             "probe/": 8
         }
-    final = pztrain.Evaluation("final", ev, eval_loader(step), every=1000, at_end=True)
+    final = pztrain.Evaluation("final", ev, eval_loader(row), every=1000, at_end=True)
     return {"evaluations": [final]}, {"final/": None}
 
 

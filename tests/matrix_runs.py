@@ -56,7 +56,7 @@ def fit(row, state, step, run: Path, callbacks=(), **kw):
     return pztrain.fit(
         state,
         step,
-        train_data(row, step),
+        train_data(row),
         num_steps=NUM_STEPS,
         log_every=LOG_EVERY,
         callbacks=list(callbacks),
@@ -140,7 +140,7 @@ def check_bad_batch(row, tmp: Path) -> None:
     """A batch the loss cannot take: the step's error and notes, in and out
     of `fit`, and nothing written."""
     step = train_step(row)
-    loader = train_data(row, step)
+    loader = train_data(row)
     batch = next(iter(loader.iter_from_step(0, step.steps_per_call)))
     try:
         step(new_state(row), **batch)
@@ -170,7 +170,7 @@ def expected_final(row, step) -> int:
 
 def first_nan_step(row, step) -> int:
     """The first step (0-based) whose batch holds the poisoned example."""
-    loader = train_data(row, step)
+    loader = train_data(row)
     for s in range(NUM_STEPS):
         if np.isnan(np.asarray(loader.batch_at(s)["poison"])).any():
             return s
@@ -256,7 +256,7 @@ def check_member_equals_solo(row, pop, final: int) -> None:
     solo, _ = pztrain.fit(
         new_state(row, seed=1),
         solo_step,
-        train_data(row, solo_step, member=1),
+        train_data(row, member=1),
         num_steps=final,
         log_every=LOG_EVERY,
         progress=False,
@@ -278,7 +278,7 @@ def run_job_row(job_row: dict, tmp: Path) -> None:
     row["devices"] = "1dev"
     step = train_step(row)
     fit(row, new_state(row), step, tmp / "run")
-    ev = pztrain.Evaluation("valid", eval_step(), eval_loader(step))
+    ev = pztrain.Evaluation("valid", eval_step(), eval_loader(row))
     job = pztrain.evaluate_checkpoints(
         tmp / "run-ckpt", new_state(row), [ev], run_dir=tmp / "job", follow=False
     )
