@@ -28,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -175,8 +174,8 @@ def shard_state(
 
 
 def _put(x: Any, sharding: NamedSharding) -> Any:
-    if not (is_array(x) or isinstance(x, numbers.Number)):
-        return x  # a library module's own leaf (eqx.nn.MLP's activation): kept
+    if not is_array(x):  # a module's own leaf (eqx.nn.MLP's activation, a flag)
+        return x  # stays as it is, as on one device
     if sharding.is_fully_addressable:
         return jax.device_put(x, sharding, may_alias=False)
     # Several processes: each holds the whole value and keeps its own shards.
@@ -218,13 +217,13 @@ def sharded_initial_state(
       (('data',), 8.0)
     """
     # Arrays come out of eval_shape and jit; a module's other leaves (eqx.nn.MLP's
-    # activation, a function) cannot, and are kept as make_state made them.
+    # activation, a Python flag) are kept as make_state made them.
     made: dict[str, Any] = {}
 
     def make_arrays() -> list[Any]:
         leaves, made["treedef"] = jax.tree.flatten(make_state())
-        made["others"] = [None if _traced(x) else x for x in leaves]
-        return [x for x in leaves if _traced(x)]
+        made["others"] = [None if is_array(x) else x for x in leaves]
+        return [x for x in leaves if is_array(x)]
 
     def whole(arrays: list[Any]) -> TrainState:
         found = iter(arrays)
@@ -236,11 +235,6 @@ def sharded_initial_state(
     out = [s for s, x in zip(jax.tree.leaves(shardings), made["others"], strict=True)
            if x is None]  # fmt: skip
     return whole(jax.jit(make_arrays, out_shardings=out)())
-
-
-def _traced(x: Any) -> bool:
-    """A leaf that `jax.jit` returns: an array (or a tracer), or a number."""
-    return is_array(x) or isinstance(x, numbers.Number)
 
 
 def data_sharding(
