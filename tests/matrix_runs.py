@@ -31,7 +31,7 @@ from matrix_parts import (
 
 import pztrain
 from pztrain.loggers import read_jsonl
-from pztrain.records import TIMING_KEYS
+from pztrain.records import TIMING_KEYS, jsonable
 
 RESUMED = ("sigint", "sigterm", "raise")
 
@@ -201,8 +201,8 @@ def check_log(row, step, run: Path, final: int, history) -> None:
         due = sorted({*(range(every, final + 1, every) if every else ()), final})
         assert ran == due, (prefix or "eval_step", ran, due)
     if history is not None:
-        mine = [
-            {k: v for k, v in r.items() if k not in TIMING_KEYS}
+        mine = [  # as JSON holds them: a NaN is "nan" in metrics.jsonl
+            jsonable({k: v for k, v in r.items() if k not in TIMING_KEYS})
             for r in history.to_dicts()
         ]
         same_records(mine, logged)
@@ -220,26 +220,27 @@ def saved_steps(directory: Path) -> list[int]:
 
 
 def check_checkpoints(row, directory: Path, state, final: int) -> None:
-    """keep_last=1 keeps the newest; keep_best=1 the best by its monitor too;
-    an EMA checkpoint loads its EMA params."""
+    """keep_last=1 keeps the newest; keep_best=1 the best by its monitor too
+    (NaN params are never saved); an EMA checkpoint loads its EMA params."""
     if row["ckpt"] == "none":
         return
-    on_disk = saved_steps(directory)
-    newest = final if row["stop"] != "nan" else LOG_EVERY * (final // LOG_EVERY - 1)
-    want = {newest}
-    if row["ckpt"] == "keepbest":
-        want.add(best_saved_step(row, directory.with_name("run"), final))
-    assert on_disk == sorted(want), (on_disk, sorted(want))
+    saved = sorted({*range(4, final + 1, 4), final})
+    if row["stop"] == "nan":  # the params at the stop are not finite
+        saved = [s for s in saved if s < final]
+    want = {saved[-1]} if saved else set()
+    if row["ckpt"] == "keepbest" and saved:
+        want.add(best_saved_step(row, directory.with_name("run"), saved))
+    assert saved_steps(directory) == sorted(want), (saved_steps(directory), want)
     if row["ckpt"] == "ema" and row["stop"] != "nan":
         loaded = pztrain.load_params(directory, state, ema=True)
         for name, value in state.ema_params.items():
             np.testing.assert_array_equal(loaded.params[name], value, err_msg=name)
 
 
-def best_saved_step(row, run: Path, final: int) -> int:
+def best_saved_step(row, run: Path, saved: list[int]) -> int:
+    """The saved step whose monitored value is the lowest (the newest of ties)."""
     name = monitor(row)
     split, key = ("eval", name[5:]) if name.startswith("eval/") else ("train", name)
-    saved = {*range(4, final + 1, 4), final}
     values = {
         r["step"]: r["metrics"][key]
         for r in records(run)
