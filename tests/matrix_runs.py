@@ -281,7 +281,12 @@ def run_job_row(job_row: dict, tmp: Path) -> None:
     fit(row, new_state(row), step, tmp / "run")
     ev = pztrain.Evaluation("valid", eval_step(), eval_loader(row))
     job = pztrain.evaluate_checkpoints(
-        tmp / "run-ckpt", new_state(row), [ev], run_dir=tmp / "job", follow=False
+        tmp / "run-ckpt",
+        new_state(row),
+        [ev],
+        run_dir=tmp / "job",
+        follow=False,
+        priority=None,  # in this process: the default would idle the test run
     )
     steps = [r["step"] for r in job.records]
     assert steps == saved_steps(tmp / "run-ckpt"), steps
