@@ -16,6 +16,7 @@ import os
 import pkgutil
 import shutil
 import sys
+import tomllib
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
@@ -39,6 +40,12 @@ def _copy_notebooks() -> None:
 
 
 _copy_notebooks()
+
+# The repository's address, set once in pyproject.toml's [project.urls]: the
+# header's repository button links it, and "{{ repository }}" in a page's text or
+# code block becomes it (`_fill_repository`).
+_PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+repository_url = _PROJECT["urls"]["Repository"].rstrip("/")
 
 import pztrain_api  # noqa: E402
 
@@ -99,8 +106,10 @@ autodoc_default_options = {"members": True, "show-inheritance": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
-# The copy button copies the code, without ">>> " and "... " prompts or outputs.
-copybutton_prompt_text = r">>> |\.\.\. "
+# The copy button copies the code, without ">>> " and "... " prompts or outputs;
+# a bare "..." (the blank line that ends a def/for/with block in a docstring's
+# example) is copied as a blank line, which the REPL needs: tests/test_repl_paste.py.
+copybutton_prompt_text = r">>> |\.\.\. |\.\.\.$"
 copybutton_prompt_is_regexp = True
 copybutton_selector = "div:not(.output) > div.highlight pre"  # code, not outputs
 
@@ -115,6 +124,8 @@ html_css_files = ["wide.css"]
 html_theme_options = {
     "show_toc_level": 2,
     "navigation_with_keys": False,
+    "repository_url": repository_url,  # a button atop every page
+    "use_repository_button": True,
 }
 
 # Every reference to a pztrain name must resolve (a missing API entry is an error);
@@ -180,6 +191,13 @@ def _directive(obj: object) -> str:
     return "function" if callable(obj) else "data"
 
 
+def _fill_repository(app, docname, source):
+    """``{{ repository }}`` in a page (its text and its code blocks alike) becomes
+    the repository's address."""
+    source[0] = source[0].replace("{{ repository }}", repository_url)
+
+
 def setup(app):
+    app.connect("source-read", _fill_repository)
     app.add_config_value("pztrain_api_modules", [], "env", types=frozenset({list}))
     app.connect("env-check-consistency", _missing_api_entries)

@@ -80,9 +80,9 @@ def windows(ids: np.ndarray, seq: int, stride: int) -> dict[str, np.ndarray]:
     return {"tokens": rows[:, :-1], "targets": rows[:, 1:]}
 
 
-def build_model(vocab_size: int, seed: int = 0):
+def model_config(vocab_size: int):
     """A 2-block llamalike transformer, width 64, 4 heads (about 120k params)."""
-    config = llamalike_common.LlamalikeTransformerConfig(
+    return llamalike_common.LlamalikeTransformerConfig(
         num_kv_heads=4,
         query_head_multiplier=1,
         embedding_dim=64,
@@ -93,8 +93,12 @@ def build_model(vocab_size: int, seed: int = 0):
         mlp_variant="swiglu",
         tie_embedder_and_logits=False,
     )
+
+
+def build_model(vocab_size: int, seed: int = 0):
+    """The transformer of `model_config`, its weights drawn from ``seed``."""
     return llamalike_common.build_llamalike_transformer(
-        config, init_base_rng=jax.random.key(seed), name="lm"
+        model_config(vocab_size), init_base_rng=jax.random.key(seed), name="lm"
     )
 
 

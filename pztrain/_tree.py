@@ -11,6 +11,7 @@ reads the same everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -138,3 +139,55 @@ def describe(x: Any) -> str:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         return type(x).__name__
     return describe_shape(np.shape(x), x.dtype)
+
+
+def structure_difference(a: Any, b: Any) -> str:
+    """Where the structure of pytree ``b`` first differs from ``a``'s, for
+    errors: the path, and the nodes there (the fields that differ, for two
+    dataclasses of one type: an equinox module's configuration).
+
+    Example:
+      >>> structure_difference({"a": [1, 2]}, {"a": [1, 2, 3]})
+      "['a']: PyTreeDef([*, *, *]) against PyTreeDef([*, *])"
+    """
+    return _difference(a, b, ())
+
+
+def _difference(a: Any, b: Any, path: tuple) -> str:
+    where = jax.tree_util.keystr(path) or "the root"
+    if _node(a) != _node(b):
+        return f"{where}: {_unlike(a, b)}"
+    for (key, x), (_, y) in zip(_children(a), _children(b), strict=True):
+        if jax.tree_util.tree_structure(x) != jax.tree_util.tree_structure(y):
+            return _difference(x, y, (*path, *key))
+    return where
+
+
+def _node(x: Any) -> Any:
+    """``x`` 's node alone: its type, static data and number of children."""
+    return jax.tree_util.tree_structure(x, is_leaf=lambda y: y is not x)
+
+
+def _children(x: Any) -> list[tuple[Any, Any]]:
+    return jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
+
+
+def _unlike(a: Any, b: Any) -> str:
+    """Node ``b`` against node ``a``: the static fields that differ if both
+    are dataclasses of one type, else their node structures (shortened)."""
+    if type(a) is type(b) and dataclasses.is_dataclass(a):
+        children = {getattr(key[0], "name", None) for key, _ in _children(a)}
+        fields = [f.name for f in dataclasses.fields(a) if f.name not in children]
+        differ = [n for n in fields if not _equal(getattr(a, n), getattr(b, n))]
+        if differ:
+            mine = ", ".join(f"{n}={getattr(b, n)!r}" for n in differ)
+            first = ", ".join(f"{n}={getattr(a, n)!r}" for n in differ)
+            return f"{type(b).__name__} with {mine} against {first}"[:400]
+    return f"{str(_node(b))[:180]} against {str(_node(a))[:180]}"
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # an == that is not a truth value
+        return False

@@ -47,20 +47,24 @@ class Summary(NamedTuple):
       count: The number of steps summed.
       nonfinite: How many of them had a NaN or infinite loss.
       first_nonfinite_step: The first such step, or -1.
+      nonfinite_members: A population's members with such a step, in order.
 
     Example:
       >>> import jax, jax.numpy as jnp; from pztrain.metrics import MetricSums
       >>> sums, add = MetricSums.zeros(["loss"]), jax.jit(MetricSums.add)
       >>> for step, loss in enumerate([1.0, 3.0]):  # as a step adds them, jitted
       ...     sums = add(sums, jnp.float32(loss), {}, jnp.int32(step))
-      >>> sums.read()
-      Summary(means={'loss': 2.0}, count=2, nonfinite=0, first_nonfinite_step=-1)
+      ...
+      >>> sums.read()  # doctest: +NORMALIZE_WHITESPACE
+      Summary(means={'loss': 2.0}, count=2, nonfinite=0, first_nonfinite_step=-1,
+              nonfinite_members=())
     """
 
     means: dict[str, float]
     count: int
     nonfinite: int
     first_nonfinite_step: int
+    nonfinite_members: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +146,7 @@ class MetricSums:
         return MetricSums(self.names, jnp.concatenate([added, first]), merged)
 
     def reset(self) -> MetricSums:
-        """Fresh zero sums for the same names, made on device (no wait, no
-        transfer)."""
+        """Fresh zero sums for the same names, placed as these are (no wait)."""
         return _fresh(self)
 
     def is_ready(self) -> bool:
@@ -185,7 +188,7 @@ def _read_one(names: tuple[str, ...], packed: np.ndarray) -> Summary:
 def _read_members(names: tuple[str, ...], packed: np.ndarray) -> Summary:
     """A population's sums (one row per member): each metric's mean over the
     members, its min, max and per-member means (`pztrain._members.spread`);
-    the steps with a non-finite loss in any member."""
+    the steps with a non-finite loss in any member, and those members."""
     n = len(names)
     count = int(packed[0, n])
     nonfinite = int(packed[:, n + 1].max())
@@ -193,32 +196,32 @@ def _read_members(names: tuple[str, ...], packed: np.ndarray) -> Summary:
     means: dict[str, float] = {}
     for i, name in enumerate(names):
         means.update(spread(name, packed[:, i] / max(count, 1)))
-    return Summary(means, count, nonfinite, min(firsts, default=-1))
-
-
-@jax.jit
-def _fresh_one(sums: MetricSums) -> MetricSums:
-    return MetricSums.zeros(sums.names)
+    lost = tuple(int(i) for i in np.flatnonzero(packed[:, n + 1] > 0))
+    return Summary(means, count, nonfinite, min(firsts, default=-1), lost)
 
 
 def _fresh(sums: MetricSums) -> MetricSums:
-    """Zero sums; a population's (a row per member) placed as its were, e.g.
-    split over the devices with the members. Metric states' zeros are made as
-    `MetricSums.zeros` makes them (a population's placed as the states are),
-    so that the step sees the same inputs as on its first call: no retrace."""
-    if sums.packed.ndim == 1:
-        states = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), sums.states)
-        return dataclasses.replace(
-            _fresh_one(MetricSums(sums.names, sums.packed)), states=states
-        )
-    zeros = MetricSums.zeros(sums.names, sums.packed.shape[0])
-    packed = jax.device_put(zeros.packed, sums.packed.sharding)
-    states = jax.tree.map(_placed_zeros, sums.states)
-    return MetricSums(sums.names, packed, states)
+    """Zero sums placed as ``sums`` are: on the devices of its rows (a
+    population split over them with its members), committed to a device only
+    if ``sums`` were, so that the step sees the same inputs as on its first
+    call (a committed input where there was none is a new compilation)."""
+    members = None if sums.packed.ndim == 1 else sums.packed.shape[0]
+    packed = _placed_as(MetricSums.zeros(sums.names, members).packed, sums.packed)
+    zeros = jax.tree.map(
+        lambda x: _placed_as(np.zeros(x.shape, x.dtype), x), sums.states
+    )
+    return MetricSums(sums.names, packed, zeros)
 
 
-def _placed_zeros(x: jax.Array) -> jax.Array:
-    return jax.device_put(np.zeros(x.shape, x.dtype), x.sharding)
+def _placed_as(x: Any, like: jax.Array) -> jax.Array:
+    """``x`` (host values) placed as ``like``; across processes, each
+    process's shards of it."""
+    if not like.committed:
+        return jnp.asarray(x)
+    if like.sharding.is_fully_addressable:
+        return jax.device_put(x, like.sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, like.sharding, lambda i: x[i])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +246,7 @@ class EvalSums:
       >>> sums = EvalSums()
       >>> for x in (jnp.arange(4.0), jnp.arange(4.0, 6.0)):  # batches of 4 and 2
       ...     sums = sums.add({"mean": x.mean(), "top": Max.of(x)}, len(x))
+      ...
       >>> sums.read()
       {'mean': 2.5, 'top': 5.0}
     """

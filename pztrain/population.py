@@ -23,10 +23,12 @@ and `pztrain.fit` logs each metric's mean, min, max and per-member values
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, pztrain
+  >>> from pztrain.population import make_population, member, population_size
   >>> def init(seed):
   ...     w = jax.random.normal(jax.random.key(seed), (3,))
   ...     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
   ...     return pztrain.TrainState.initial_state({"w": w}, tx, jax.random.key(seed))
+  ...
   >>> pop = make_population(init, seeds=range(4),
   ...                       learning_rate=[0.01, 0.03, 0.1, 0.3])
   >>> population_size(pop), pop.params["w"].shape, pop.step.shape
@@ -34,9 +36,11 @@ Example:
   >>> def loss_fn(*, model, state, rng, x):
   ...     loss = jnp.mean((x @ model["w"] - 1.0) ** 2)
   ...     return loss, state, {"loss": loss}
+  ...
   >>> train_step = pztrain.build_train_step(loss_fn)
   >>> for _ in range(20):
   ...     pop, aux = train_step(pop, x=jnp.ones((8, 3)))
+  ...
   >>> aux["loss"].shape  # one loss per member
   (4,)
   >>> best = member(pop, int(jnp.argmin(aux["loss"])))  # an ordinary TrainState
@@ -55,7 +59,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from pztrain._members import member_count
-from pztrain._tree import describe
+from pztrain._tree import describe, is_array, structure_difference
 from pztrain.state import TrainState
 
 __all__ = [
@@ -102,6 +106,7 @@ def population_size(state: TrainState) -> int | None:
       >>> def init(seed):
       ...     return pztrain.TrainState.initial_state(
       ...         {"w": jnp.zeros(2)}, optax.sgd(0.1), jax.random.key(seed))
+      ...
       >>> population_size(init(0)), population_size(make_population(init, seeds=[1, 2]))
       (None, 2)
     """
@@ -150,9 +155,25 @@ def stack_members(states: Sequence[TrainState]) -> TrainState:
     optimizer_def = states[0].optimizer_def
     states = [s.replace(optimizer_def=optimizer_def) for s in states]
     _check_alike(states)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, *xs: xs[0] if path[0] == _STEP else jnp.stack(xs), *states
-    )
+    return jax.tree_util.tree_map_with_path(_stack, *states)
+
+
+def _stack(path: Any, *xs: Any) -> Any:
+    """One leaf of the population: the arrays stacked; the step, and a leaf
+    that is not an array (a function, a name: the model's structure, static
+    in the step as for one run) kept when equal in every member; numbers that
+    differ stacked, one per member."""
+    if path[0] == _STEP or (not is_array(xs[0]) and _same(xs)):
+        return xs[0]
+    return jnp.stack(xs)
+
+
+def _same(xs: Sequence[Any]) -> bool:
+    """Whether every ``x`` is ``xs[0]`` or equal to it (not arrays)."""
+    try:
+        return all(x is xs[0] or bool(x == xs[0]) for x in xs)
+    except Exception:  # an == that is not a truth value
+        return False
 
 
 def _check_alike(states: list[TrainState]) -> None:
@@ -162,19 +183,15 @@ def _check_alike(states: list[TrainState]) -> None:
     for i, state in enumerate(states[1:], start=1):
         leaves, treedef = _leaves(state)
         if treedef != first_def:
+            where = structure_difference(states[0], state)
             raise PopulationError(
-                f"Member {i}'s structure differs from member 0's (another model "
-                "structure, optimizer, loss-function state or TrainState type): "
-                "members of a population share everything but their arrays' "
-                f"values.\nmember 0: {first_def}\nmember {i}: {treedef}"
+                f"Member {i}'s structure differs from member 0's at {where}. "
+                "Members of a population share everything but their arrays' "
+                "values (model structure, optimizer, loss-function state, "
+                "TrainState type)."
             )
         for (path, a), (_, b) in zip(first, leaves, strict=True):
-            if np.shape(a) != np.shape(b) or _dtype(a) != _dtype(b):
-                raise PopulationError(
-                    f"Member {i} differs from member 0 at "
-                    f"{jax.tree_util.keystr(path)}: {describe(b)} against "
-                    f"{describe(a)}. Members need equal shapes and dtypes."
-                )
+            _check_leaf(i, path, a, b)
     if len(steps) > 1:
         raise PopulationError(
             f"Members are at different steps {sorted(steps)}: a population steps "
@@ -186,9 +203,33 @@ def _leaves(state: TrainState):
     return jax.tree_util.tree_flatten_with_path(state)
 
 
-def _dtype(x: Any) -> Any:
-    dtype = getattr(x, "dtype", None)
-    return np.result_type(x) if dtype is None else dtype
+def _check_leaf(i: int, path: Any, a: Any, b: Any) -> None:
+    """Refuses member ``i``'s leaf ``b`` unlike member 0's ``a``: arrays of
+    another shape or dtype, or a leaf that is not an array (a function, a
+    name) and differs, unless both are numbers (stacked, one per member)."""
+    where = f"Member {i} differs from member 0 at {jax.tree_util.keystr(path)}"
+    if is_array(a) and is_array(b):
+        if np.shape(a) != np.shape(b) or a.dtype != b.dtype:
+            raise PopulationError(
+                f"{where}: {describe(b)} against {describe(a)}. Members need "
+                "equal shapes and dtypes."
+            )
+        return
+    if is_array(a) or is_array(b):
+        raise PopulationError(
+            f"{where}: {describe(b)} against {describe(a)}. Members need an array "
+            "where member 0 has one, and the same non-array leaves."
+        )
+    if not (_same([a, b]) or (_number(a) and _number(b))):
+        raise PopulationError(
+            f"{where}: {b!r} against {a!r}. A leaf that is not an array (a "
+            "function, a name, a setting) is shared by every member; to vary it "
+            "per member, make it an array or an injected hyperparameter."
+        )
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float | complex | np.number) and not isinstance(x, bool)
 
 
 def member(state: TrainState, i: int) -> TrainState:
@@ -206,6 +247,7 @@ def member(state: TrainState, i: int) -> TrainState:
       >>> def init(seed):
       ...     return pztrain.TrainState.initial_state(
       ...         {"w": jnp.full(2, float(seed))}, optax.sgd(0.1), jax.random.key(seed))
+      ...
       >>> pop = make_population(init, seeds=[5, 6, 7])
       >>> one = member(pop, 1)
       >>> one.params["w"].tolist(), pztrain.population_size(one)
@@ -220,7 +262,7 @@ def member(state: TrainState, i: int) -> TrainState:
         )
     state.check_not_donated("member(state, i)")
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: x if path[0] == _STEP else x[i], state
+        lambda path, x: x[i] if path[0] != _STEP and is_array(x) else x, state
     )
 
 
@@ -233,6 +275,7 @@ def members(state: TrainState) -> list[TrainState]:
       >>> def init(seed):
       ...     return pztrain.TrainState.initial_state(
       ...         {"w": jnp.full(2, float(seed))}, optax.sgd(0.1), jax.random.key(seed))
+      ...
       >>> pop = make_population(init, seeds=[3, 4])
       >>> [float(m.params["w"][0]) for m in members(pop)]
       [3.0, 4.0]
@@ -286,6 +329,7 @@ def make_population(
       ...     w = jax.random.normal(jax.random.key(seed), (4,))
       ...     key = jax.random.key(seed)
       ...     return pztrain.TrainState.initial_state({"w": w}, tx, key)
+      ...
       >>> pop = make_population(init, seeds=range(3), learning_rate=[0.5, 0.25, 0.125])
       >>> pop.hyperparams["learning_rate"].tolist()
       [0.5, 0.25, 0.125]
@@ -316,6 +360,7 @@ def set_member_hyperparams(state: TrainState, **values: Any) -> TrainState:
       ...     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
       ...     return pztrain.TrainState.initial_state(
       ...         {"w": jnp.zeros(2)}, tx, jax.random.key(seed))
+      ...
       >>> pop = make_population(init, seeds=range(2))
       >>> pop = set_member_hyperparams(pop, learning_rate=[0.5, 0.25])
       >>> pop.hyperparams["learning_rate"].tolist()
@@ -359,6 +404,7 @@ def shard_members(state: TrainState, mesh: Mesh, axis: str = "members") -> Train
       >>> def init(seed):
       ...     return pztrain.TrainState.initial_state(
       ...         {"w": jnp.zeros(2)}, optax.sgd(0.1), jax.random.key(seed))
+      ...
       >>> mesh = jax.make_mesh((1,), ("members",))
       >>> pop = shard_members(make_population(init, seeds=range(2)), mesh)
       >>> pop.params["w"].sharding.spec == jax.P("members")
@@ -380,6 +426,8 @@ def shard_members(state: TrainState, mesh: Mesh, axis: str = "members") -> Train
     whole = NamedSharding(auto, PartitionSpec())
 
     def place(path, x):
+        if not is_array(x):  # the model's structure (a function, a name)
+            return x
         if path[0] == _STEP or np.ndim(x) == 0:
             return jax.device_put(x, whole)
         return jax.device_put(x, split)

@@ -239,10 +239,9 @@ def mixed_precision(
     penzai v2 state variables their old dtypes. A Flax NNX model's
     ``nnx.Param`` s are cast in place (its module stays the one the step reads
     the new state from) and its other variables (batch statistics) keep their
-    dtypes. The params stay in their own
-    dtype in the `pztrain.TrainState` (cast them once with
-    ``policy.cast_to_param`` to change it); their gradients arrive in that
-    dtype.
+    dtypes. The params stay in their own dtype in the `pztrain.TrainState`
+    (cast them once with ``policy.cast_to_param`` to change it); their
+    gradients arrive in that dtype.
 
     With ``loss_scale=S`` the backward pass runs on ``S`` times the gradient
     (float16 gradients then do not underflow) and the gradients are divided by
@@ -268,6 +267,7 @@ def mixed_precision(
       >>> def loss_fn(*, model, state, rng, x, y):
       ...     loss = jnp.mean((x @ model["w"] - y) ** 2)
       ...     return loss, state, {"dtype_ok": loss.dtype == jnp.bfloat16}
+      ...
       >>> mp_loss = pztrain.mixed_precision(loss_fn, "params=f32,compute=bf16")
       >>> state = pztrain.TrainState.initial_state(
       ...     {"w": jnp.zeros((3, 1))}, optax.sgd(0.1), jax.random.key(0))

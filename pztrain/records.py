@@ -73,7 +73,9 @@ class Stop:
 
 @dataclasses.dataclass(frozen=True)
 class LoopInfo:
-    """What a run will do; given to ``Callback.on_train_start``.
+    """What a run will do; given to ``Callback.on_train_start``, and before
+    the run to ``Callback.check`` (where a resumed run's ``start_step`` and
+    ``end_step`` are still the given state's: its checkpoint is not read yet).
 
     Attributes:
       start_step: The step the run starts at (``state.step``).
@@ -93,6 +95,13 @@ class LoopInfo:
       evaluations: The names of the run's evaluations (`pztrain.Evaluation`;
         ``""``: the unnamed one of ``eval_step=``), in the order they run
         (empty with ``evaluates``: the unnamed one alone).
+      eval_metrics: Evaluation name → the names its values take in an eval
+        record (``"<name>/<metric>"``; the unnamed one's ``"<metric>"``),
+        found before the run by tracing its eval step on its first batch
+        (``jax.eval_shape``: nothing runs); ``None`` for an evaluation whose
+        names are known only once it runs (a host function, data that can be
+        read once, a step built with ``jit=False``).
+      resume: Whether `fit` was asked to resume (``resume=True``).
 
     Example:
       A callback reads it at the start (here given one as `fit` would):
@@ -102,6 +111,7 @@ class LoopInfo:
       ...     def on_train_start(self, state, info):
       ...         print(f"steps {info.start_step}-{info.end_step}, "
       ...               f"{info.end_step // info.log_every} log points")
+      ...
       >>> info = LoopInfo(start_step=0, end_step=1000, steps_per_epoch=100,
       ...                 steps_per_call=1, log_every=100, evaluates=False,
       ...                 run_dir=None)
@@ -122,6 +132,10 @@ class LoopInfo:
     train_data: Any = None
     checkpoints: Any = None
     evaluations: tuple[str, ...] = ()
+    eval_metrics: dict[str, tuple[str, ...] | None] = dataclasses.field(
+        default_factory=dict
+    )
+    resume: bool = False
 
     @property
     def evaluation_names(self) -> tuple[str, ...]:
@@ -205,14 +219,14 @@ class History:
     ) -> Any:
         """Plots metrics against steps with matplotlib (optional extra ``plot``).
 
-        One axes per metric: a train metric and the eval metrics of the same name
-        share one (the EMA's, ``"ema/<name>"``, and `pztrain.Evaluation` s'), the
-        learning rate has its own, and the per-parameter grad norms
-        (``"grad_norm/<param>"``) share one, a line per parameter. A metric
-        named in ``names`` brings its EMA's line, and ``"grad_norm"`` the
-        per-parameter panel, when they were logged. For a
-        population (`pztrain.population`) a metric's panel has a thin line per
-        member (``"loss/member_<i>"``) under its mean, drawn bold.
+        One axes per metric: a train metric and the eval metrics of the same name share
+        one (the EMA's, ``"ema/<name>"``, and `pztrain.Evaluation` s'), the learning
+        rate has its own, and the per-parameter grad norms (``"grad_norm/<param>"``)
+        share one, a line per parameter. A metric named in ``names`` brings its EMA's
+        line, and ``"grad_norm"`` the per-parameter panel, when they were logged. For a
+        population (`pztrain.population`) a metric's panel has a thin line per member
+        (``"loss/member_<i>"``) under its mean, drawn bold. Each series (train, an
+        evaluation, an EMA) has one colour on every panel.
 
         Args:
           names: Metrics to plot: ``"loss"`` (train and eval) or
@@ -230,20 +244,19 @@ class History:
           >>> import matplotlib; matplotlib.use("Agg"); from pztrain import History
           >>> h = History([{"step": 1, "split": "train", "metrics": {"loss": 1.0}},
           ...              {"step": 1, "split": "eval", "metrics": {"loss": 2.0}}])
-          >>> fig = h.plot()
-          >>> [ax.get_title() for ax in fig.axes]
+          >>> [ax.get_title() for ax in h.plot().axes]
           ['loss']
-          >>> import matplotlib.pyplot as plt; plt.close(fig)
+          >>> import matplotlib.pyplot as plt; plt.close("all")
 
           A population's history: one line per member, and the mean.
 
+          >>> import matplotlib.pyplot as plt; from pztrain import History
           >>> pop = History([{"step": s, "split": "train", "metrics": {
           ...     "loss": 1.5 / s, "loss/member_0": 1.0 / s, "loss/member_1": 2.0 / s}}
           ...     for s in (1, 2)])
-          >>> fig = pop.plot()
-          >>> [line.get_label() for line in fig.axes[0].lines]
+          >>> [line.get_label() for line in pop.plot().axes[0].lines]
           ['train members', '_nolegend_', 'train']
-          >>> plt.close(fig)
+          >>> plt.close("all")
         """
         plt = _pyplot()
         panels = self._panels(names, split)
@@ -252,24 +265,29 @@ class History:
         cols = min(len(panels), 3) or 1
         rows = -(-len(panels) // cols)
         fig.set_size_inches(4.5 * cols, 3.2 * rows)
+        colours = _series_colours(panels)
         for i, (title, lines) in enumerate(panels.items()):
-            self._draw(fig.add_subplot(rows, cols, i + 1), title, lines)
+            self._draw(fig.add_subplot(rows, cols, i + 1), title, lines, colours)
         fig.tight_layout()
         return fig
 
-    def _draw(self, ax: Any, title: str, lines: list[tuple[str, str, str]]) -> None:
-        """One panel: its lines (a population's members thin, under the mean)."""
+    def _draw(self, ax: Any, title: str, lines: list, colours: dict) -> None:
+        """One panel: its lines, in their series' colours (a population's
+        members thin, in their mean's), the legend right of the data."""
+        means = {(s, n): label for s, n, label in lines if SPREAD.search(n) is None}
         for s, name, label in lines:
             member = SPREAD.search(name) is not None
+            mean = means.get((s, SPREAD.sub("", name))) if member else label
             ax.plot(
                 *self.series(name, s),
                 label=label,
+                color=colours.get(mean),
                 marker="." if s == "eval" and not member else "",
                 **(_MEMBER_LINE if member else {}),
             )
         ax.set_title(title)
         ax.set_xlabel("step")
-        ax.legend()
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 
     def _panels(self, names, split) -> dict[str, list[tuple[str, str, str]]]:
         """Panel title → its lines: ``(split, metric name, label)``."""
@@ -313,10 +331,22 @@ class History:
 
 
 # The entries a population's metric has beside its mean (its members' values,
-# min and max: `pztrain._members.spread`); plots draw them as thin lines on the
-# metric's own panel, and the progress bar leaves them out.
-SPREAD = re.compile(r"/(member_\d+|min|max)$")
+# min and max, the count of diverged members: `pztrain._members.spread`); plots
+# draw them as thin lines on the metric's own panel, and the progress bar
+# leaves them out.
+SPREAD = re.compile(r"/(member_\d+|min|max|diverged)$")
 _MEMBER_LINE = {"linewidth": 0.8, "alpha": 0.45}
+
+
+def _series_colours(panels: dict[str, list[tuple[str, str, str]]]) -> dict[str, str]:
+    """A series' label (``"train"``, ``"eval val"``) -> its one colour on every
+    panel, in the order the series first appear."""
+    colours: dict[str, str] = {}
+    for lines in panels.values():
+        for _, name, label in lines:
+            if SPREAD.search(name) is None and label not in colours:
+                colours[label] = f"C{len(colours) % 10}"
+    return colours
 
 
 def _with_companions(

@@ -25,6 +25,12 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
             "assert report.left == left",
         ),
         ("num_steps=250,", "assert int(state.step) == 250"),
+        (
+            'pztrain.Evaluation("valid", eval_step, valid_loader),',
+            'assert [r["step"] for r in job_history.records] == [150, 200, 250]\n'
+            "losses = [r['metrics']['valid/loss'] for r in job_history.records]\n"
+            "assert losses == sorted(losses, reverse=True)",
+        ),
     ],
     "data.md": [
         (
@@ -92,10 +98,21 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
             "assert steps == [20] * 3 + [40] * 3",
         ),
         (
+            'print("trained state:", pztrain.evaluate(state, eval_step, valid_loader))',
+            "trained = pztrain.evaluate(state, eval_step, valid_loader)\n"
+            "fresh = pztrain.TrainState.initial_state(model, optax.identity(), "
+            "jax.random.key(0))\n"
+            "untrained = pztrain.evaluate(fresh, eval_step, valid_loader)\n"
+            'assert trained["accuracy"] > 0.5 > 0.2 > untrained["accuracy"]',
+        ),
+        (
             "pztrain.evaluate(model, eval_step, valid_loader)  # a model",
-            "import sys\n"
-            "assert isinstance(sys.last_value, TypeError)\n"
-            'assert "initial_state(model, optax.identity()" in str(sys.last_value)',
+            "try:\n"
+            "    pztrain.evaluate(model, eval_step, valid_loader)\n"
+            "except TypeError as e:\n"
+            '    assert "initial_state(model, optax.identity()" in str(e)\n'
+            "else:\n"
+            '    raise AssertionError("no TypeError")',
         ),
     ],
     "loss_and_models.md": [
@@ -230,20 +247,28 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
             "    assert jnp.allclose(one.params[name], fused.params[name], atol=1e-5)",
         ),
         (
-            "state = state.with_hyperparams(learning_rate=1e-3)",
-            'assert abs(float(state.hyperparams["learning_rate"]) - 1e-3) < 1e-9',
+            "state0 = state0.with_hyperparams(learning_rate=1e-3)",
+            'assert abs(float(other.hyperparams["learning_rate"]) - 1e-3) < 1e-9\n'
+            'assert abs(float(trial.hyperparams["learning_rate"]) - 1e-2) < 1e-9\n'
+            "assert int(state.step) == 300  # the trained state, left alone",
         ),
         (
             "print(state.summary())",
             # The summary fits 100 columns; treescope's view 80, but a line of one
-            # item that treescope does not break.
+            # item that treescope does not break (a fresh state's view: the trained
+            # one's small arrays are written out in full, over several lines).
             "import re, treescope\n"
             "assert max(map(len, str(state.summary()).splitlines())) <= 100\n"
-            "for line in treescope.render_to_text(state).splitlines():\n"
+            "for line in treescope.render_to_text(fresh()).splitlines():\n"
             "    one_item = re.match(\n"
             "        r\" *('[^']*'|\\w+)(: |=)(<|# )(jax\\.Array|function)\\b\", line\n"
             "    )\n"
-            "    assert len(line) <= 80 or one_item, line",
+            "    assert len(line) <= 80 or one_item, line\n"
+            "assert int(state.step) == 300  # the trained model's summary",
+        ),
+        (
+            "print(sums.read().means)  # one read: {'loss': ...}",
+            'assert float(sums.read().means["loss"]) < 0.05  # trained, not fresh',
         ),
     ],
     "stops.md": [

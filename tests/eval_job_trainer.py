@@ -3,6 +3,7 @@ with checkpoints every 2 steps, slowly (a pause at each host point), so that
 an evaluation job in another process follows it while it runs.
 
 Usage: python tests/eval_job_trainer.py <checkpoint dir> <num_steps> <pause s>
+[<keep_last>, default 1000]
 """
 
 import sys
@@ -41,6 +42,7 @@ class Pause(pztrain.Callback):
 
 def main() -> None:
     directory, num_steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    keep_last = int(sys.argv[4]) if len(sys.argv) > 4 else 1000
     pztrain.fit(
         initial_state(),
         pztrain.build_train_step(loss_fn),
@@ -50,7 +52,7 @@ def main() -> None:
         progress=False,
         loggers=[],
         callbacks=[Pause(pause)],
-        checkpoints=pztrain.Checkpoints(directory, every_steps=2, keep_last=1000),
+        checkpoints=pztrain.Checkpoints(directory, every_steps=2, keep_last=keep_last),
         resume=True,  # a second call goes on from the first run's checkpoints
     )
 

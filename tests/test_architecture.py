@@ -159,6 +159,7 @@ ROOMS = [
     "pztrain.loggers",
     "pztrain.monitors",
     "pztrain.checkpoint",
+    "pztrain.finetune",
     "pztrain.loop",
     "pztrain.integrations",
 ]

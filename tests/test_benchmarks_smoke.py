@@ -100,3 +100,10 @@ def test_population_benchmark_quick_mode_completes():
         assert f"| {column} |" in out
     assert "### Memory of the population step" in out
     assert "### Targets" in out and "population / separate" in out
+
+
+def test_lora_benchmark_quick_mode_completes():
+    out = _run("benchmarks/lora_bench.py", "--quick", timeout=900)
+    assert "adapters' optimizer state / full's" in out
+    assert "bytes read by load_pretrained" in out
+    assert "LoRA step, pztrain / hand-written" in out

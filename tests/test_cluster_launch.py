@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,81 @@ def test_the_recipes_agree_with_the_script(train):
     assert exits["containerName"] == container["name"]
     assert exits["values"] == [train.STOPPED]
     assert pod["restartPolicy"] == "Never"  # what podFailurePolicy needs
+
+
+def test_the_recipes_make_the_environment_they_run_in(train):
+    """Each recipe runs train.py from the checkout, in an environment it made
+    with JAX's build for the devices it asks for, and refuses to train on the
+    CPU instead (--platform)."""
+    import tomllib
+
+    import yaml
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert extras["cuda"][0].startswith("jax[cuda12]>=")
+    assert extras["tpu"][0].startswith("jax[tpu]>=")
+
+    sbatch = (CLUSTER / "slurm.sbatch").read_text()
+    order = [
+        'cd "${SLURM_SUBMIT_DIR',
+        'python3 -m venv "$VENV"',
+        '"$VENV/bin/pip" install -e ".[examples,cuda]"',
+        'source "$VENV/bin/activate"',
+        "srun python examples/cluster/train.py --platform gpu ",
+    ]
+    assert [sbatch.index(line) for line in order] == sorted(
+        sbatch.index(line) for line in order
+    )
+    assert "#SBATCH --gpus-per-node" in sbatch
+
+    _, job = yaml.safe_load_all((CLUSTER / "k8s-indexed-job.yaml").read_text())
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["workingDir"].startswith("/")
+    assert container["command"][:2] == ["python", "examples/cluster/train.py"]
+
+    tpu = (CLUSTER / "tpu_vm.sh").read_text()
+    assert "--recurse" not in tpu  # the checkout's .venv would go too
+    assert 'pip install -e "./pztrain[examples,tpu]"' in tpu
+    assert "source ../pztrain-venv/bin/activate" in tpu
+    assert "train.py --auto-detect --platform tpu" in tpu
+
+
+def test_the_tpu_recipe_copies_the_checkout_without_its_venv(tmp_path):
+    """tpu_vm.sh's archive line, run in a checkout with a .venv, local edits
+    and a new file: the files git lists, and nothing git ignores."""
+    (line,) = [
+        line
+        for line in (CLUSTER / "tpu_vm.sh").read_text().splitlines()
+        if line.startswith("git ls-files")
+    ]
+    repo = tmp_path / "checkout"
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    (repo / ".venv" / "bin" / "python").write_text("a big environment")
+    (repo / ".gitignore").write_text((ROOT / ".gitignore").read_text())
+    (repo / "train.py").write_text("print(1)\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    (repo / "train.py").write_text("print(2)\n")  # an edit, not committed
+    (repo / "new.py").write_text("")
+    archive = tmp_path / "a.tar.gz"
+    env = dict(os.environ, ARCHIVE=str(archive))
+    subprocess.run(["bash", "-c", line], cwd=repo, env=env, check=True)
+    with tarfile.open(archive) as tar:
+        names = sorted(tar.getnames())
+        edited = tar.extractfile("train.py").read()
+    assert names == [".gitignore", "new.py", "train.py"]
+    assert edited == b"print(2)\n"
+
+
+def test_platform_refuses_to_train_on_the_cpu(train, tmp_path):
+    args = train.parse(["--run-dir", str(tmp_path), "--platform", "gpu"])
+    with pytest.raises(SystemExit, match=r"--platform gpu: JAX runs on cpu here"):
+        train.main(args)
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 def _launch(run_dir: Path, steps: int) -> subprocess.CompletedProcess:

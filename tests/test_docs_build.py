@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from html import unescape
 from pathlib import Path
 
@@ -87,13 +88,23 @@ def _pages_show_what_they_say(out: Path) -> None:
     assert re.search(r"100%\|█+\| (\d+)/\1 \[[\d:]+<[\d:]+, +[\d.]+step/s", fit_page), (
         "notebook 02 shows no text progress bar"
     )
-    install = unescape(re.sub(r"<[^>]+>", "", (out / "installation.html").read_text()))
+    install_html = (out / "installation.html").read_text()
+    install = unescape(re.sub(r"<[^>]+>", "", install_html))
     assert "pip install -e ." in install
+    url = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]
+    assert f'pip install "pztrain @ git+{url["Repository"]}"' in install
+    assert "{{ repository }}" not in install
+    assert 'href="api/pztrain.loggers.html#pztrain.loggers.TensorBoardLogger"' in (
+        install_html
+    )  # the installation page links the names it uses
     assert "tensorboardX" in install  # each extra, with what it brings
     changelog = (out / "changelog.html").read_text()
     assert "Unreleased" in changelog
     index = (out / "index.html").read_text()
     assert f"pztrain {pztrain.__version__}" in index
+    assert f'href="{url["Repository"]}"' in index  # the header's repository button
+    speed = (out / "guides" / "speed.html").read_text()
+    assert 'id="benchmarks"' in speed and "step_bench.py" in speed
     assert "copybutton.js" in index
 
 

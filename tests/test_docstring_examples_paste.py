@@ -1,11 +1,12 @@
 """Each docstring example of the public API runs pasted alone into a fresh Python.
 
-The reference shows every public object's example (``docs/api/``); a reader copies
-one into a new interpreter. So each example imports what it uses (``import jax,
-jax.numpy as jnp, optax``, ``from pztrain import TrainState``) and runs in an empty
-namespace: not the namespace of the module that defines it, where pytest's
-``--doctest-modules`` runs it. The imports it needs come with ``pip install
-".[docs]"``.
+The reference shows every public module's and object's example (``docs/api/``); a
+reader copies one into a new interpreter. So each example imports what it uses
+(``import jax, jax.numpy as jnp, optax``, ``from pztrain import TrainState``) and
+runs in an empty namespace: not the namespace of the module that defines it, where
+pytest's ``--doctest-modules`` runs it. The imports it needs come with ``pip
+install ".[docs]"``. (That each block of an example also pastes alone into the
+REPL, which reads it line by line: ``tests/test_repl_paste.py``.)
 
 A fast check reads each example: every name it uses is imported, assigned or a
 builtin, and every library it imports is in the ``docs`` extra. The slow one runs
@@ -49,9 +50,15 @@ def public_objects() -> dict[str, object]:
 
 
 def examples() -> list[doctest.DocTest]:
-    """The doctests of the public objects and of their own methods."""
+    """The doctests of the public modules' own docstrings (each module's page
+    shows its docstring), of the public objects and of their own methods."""
     finder = doctest.DocTestFinder(recurse=True, exclude_empty=True)
     tests = []
+    for module in MODULES:
+        mod = importlib.import_module(module)
+        only_its_own = doctest.DocTestFinder(recurse=False, exclude_empty=True)
+        found = only_its_own.find(mod, module, globs={}, module=False)
+        tests += [test for test in found if test.examples]
     for full, obj in public_objects().items():
         for test in finder.find(obj, full, globs={}, module=False):
             if test.examples and test.name.startswith(full):

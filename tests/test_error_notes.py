@@ -130,3 +130,84 @@ def test_apply_gradients_refuses_a_mismatched_state():
     )
     with pytest.raises(ValueError, match=OTHER_STATE):
         broken.apply_gradients(state.params)
+
+
+_BAD = {"x": np.ones((16, 5), np.float32), "y": np.ones((16, 1), np.float32)}
+
+
+def _direct(k: int, on_device: bool):
+    step = pztrain.build_train_step(_loss, steps_per_call=k)
+    if on_device:
+        batch = _bad_loader(True).device_epoch(0)
+    else:
+        batch = {
+            key: np.stack([v[:8]] * k) if k > 1 else v[:8] for key, v in _BAD.items()
+        }
+    return lambda: step(_state(), batch)
+
+
+def _bad_loader(on_device: bool):
+    return pztrain.ArrayLoader(_BAD, 8, shuffle=False, on_device=on_device)
+
+
+@pytest.mark.parametrize(
+    ("k", "data", "prefetch"),
+    [
+        (1, "list", 2),  # batches moved ahead in the prefetch thread
+        (1, "list", 0),
+        (1, "loader", 2),
+        (2, "loader", 2),  # fused: k steps a call
+        (1, "on_device", 2),  # IndexedBatches, several calls in one
+    ],
+)
+def test_fit_gives_the_note_a_direct_call_gives(k, data, prefetch):
+    with pytest.raises(TypeError, match="dot_general") as direct:
+        _direct(k, data == "on_device")()
+    train_data = {
+        "list": [{key: v[:8] for key, v in _BAD.items()}] * 2,
+        "loader": _bad_loader(False),
+        "on_device": _bad_loader(True),
+    }[data]
+    step = pztrain.build_train_step(_loss, steps_per_call=k)
+    with pytest.raises(TypeError, match="dot_general") as in_fit:
+        pztrain.fit(
+            _state(), step, train_data, num_steps=2 * k, prefetch=prefetch,
+            progress=False, loggers=[],
+        )  # fmt: skip
+    assert str(in_fit.value) == str(direct.value)
+    assert _notes(in_fit.value) == _notes(direct.value)
+    assert "x: float32[" in _notes(in_fit.value) and "w: float32[4, 1]" in _notes(
+        in_fit.value
+    )
+
+
+@pytest.mark.parametrize("prefetch", [2, 0])  # moved in the prefetch thread, or not
+def test_text_in_a_batch_read_once_is_refused_as_a_call_refuses_it(prefetch):
+    batch = {"x": np.ones((8, 4), np.float32), "y": np.array(["a"] * 8)}
+    step = pztrain.build_train_step(_loss)
+    with pytest.raises(TypeError) as direct:
+        step(_state(), batch)
+    with pytest.raises(TypeError) as in_fit:
+        pztrain.fit(
+            _state(), step, (b for b in [batch] * 2), num_steps=2,
+            prefetch=prefetch, progress=False, loggers=[],
+        )  # fmt: skip
+    assert str(in_fit.value) == str(direct.value)
+    assert "train_step(state, ...) got batch['y'] of strings" in str(in_fit.value)
+
+
+def test_a_grain_loaders_bad_batch_gets_the_note_a_direct_call_gives():
+    from grain_examples import examples
+
+    def loss_fn(*, model, state, rng, x, y, id):
+        return _loss(model=model, state=state, rng=rng, x=x, y=y[:, None])
+
+    loader = pztrain.GrainLoader(examples(), batch_size=8)  # x: float32[8, 4]
+    model = {"w": jnp.zeros((5, 1)), "b": jnp.zeros(1)}
+    state = pztrain.TrainState.initial_state(model, optax.adam(0.1), jax.random.key(0))
+    step = pztrain.build_train_step(loss_fn)
+    with pytest.raises(TypeError, match="dot_general") as direct:
+        step(state, loader.batch_at(0))
+    with pytest.raises(TypeError, match="dot_general") as in_fit:
+        pztrain.fit(state, step, loader, num_steps=2, progress=False, loggers=[])
+    assert _notes(in_fit.value) == _notes(direct.value)

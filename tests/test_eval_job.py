@@ -1,8 +1,10 @@
 """`pztrain.evaluate_checkpoints`: an evaluation job beside training."""
 
 import os
+import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -103,6 +105,69 @@ def test_a_directory_without_checkpoints_is_waited_for_then_refused(tmp_path, ca
     with pytest.raises(TimeoutError, match=r"no checkpoint appeared in .*empty"):
         _job(tmp_path / "empty", tmp_path / "eval_job", timeout=0.3, poll=0.1)
     assert "waiting for checkpoints in" in capsys.readouterr().out
+
+
+def _checkpoint(path: Path) -> None:
+    pztrain.save_state(path, trainer.initial_state())
+
+
+def test_a_missing_directory_is_refused_at_once_without_follow(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"'.*/ckpt'\): no such directory"):
+        _job(tmp_path / "ckpt", tmp_path / "job", follow=False)
+    assert not (tmp_path / "job").exists()
+
+
+def test_an_empty_directory_is_refused_at_once_without_follow(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(ValueError, match=r"ckpt'\): the directory holds no checkpoint"):
+        _job(tmp_path / "ckpt", tmp_path / "job", follow=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"file'\): it is a file"):
+        _job(tmp_path / "file", tmp_path / "job")  # following or not
+    assert not (tmp_path / "job").exists()
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_the_run_directory_is_refused_naming_its_checkpoint_folder(tmp_path, follow):
+    _checkpoint(tmp_path / "run" / "ckpt" / "2")
+    want = f"pass directory={str(tmp_path / 'run' / 'ckpt')!r}"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        _job(tmp_path / "run", tmp_path / "job", follow=follow, timeout=0.2, poll=0.1)
+    with pytest.raises(ValueError, match="it is one checkpoint"):
+        _job(tmp_path / "run" / "ckpt" / "2", tmp_path / "job", follow=follow)
+    assert not (tmp_path / "job").exists()
+
+
+def test_a_followed_run_directory_is_refused_at_the_runs_first_save(tmp_path):
+    _checkpoint(tmp_path / "saved" / "2")
+    (tmp_path / "run" / "ckpt").mkdir(parents=True)  # a run that has not saved yet
+    first_save = threading.Timer(
+        0.2, lambda: (tmp_path / "saved").replace(tmp_path / "run" / "ckpt")
+    )
+    first_save.start()
+    try:
+        with pytest.raises(ValueError, match="its subfolder 'ckpt' does"):
+            _job(tmp_path / "run", tmp_path / "job", timeout=30, poll=0.05)
+    finally:
+        first_save.join()
+
+
+def test_an_empty_directory_is_waited_for_and_said_at_once(tmp_path, capsys):
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(TimeoutError, match=r"no checkpoint appeared in .*ckpt within"):
+        _job(tmp_path / "ckpt", tmp_path / "job", timeout=0.3, poll=0.1)
+    out = capsys.readouterr().out
+    assert f"waiting for checkpoints in {tmp_path / 'ckpt'}, which holds none" in out
+    assert "no training run holds it" in out
+
+
+def test_a_missing_directory_is_named_at_once_when_followed(tmp_path, capsys):
+    _checkpoint(tmp_path / "run" / "ckpt" / "2")
+    with pytest.raises(TimeoutError, match=r"\(it does not exist\)"):
+        _job(tmp_path / "run" / "ckp", tmp_path / "job", timeout=0.3, poll=0.1)
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'run' / 'ckp'}, which does not exist yet" in out
+    assert f"{tmp_path / 'run' / 'ckpt'} holds checkpoints" in out  # a near miss
 
 
 def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):

@@ -197,7 +197,7 @@ def test_jsonl_logger_writes_text_inline_and_images_as_png(tmp_path):
         (4, "eval/s/rgb"),
         (4, "eval/s/plot"),
     ]
-    assert got[1]["image"] == tmp_path / "images" / "eval_s_grey-2.png"
+    assert got[1]["image"] == tmp_path / "images" / "eval_s_grey-4e5111d316-2.png"
     expected = [Image(GREY).to_uint8(), RGB, fig.array]
     for entry, pixels in zip(got[1:], expected, strict=True):
         np.testing.assert_array_equal(decoded(str(entry["image"])), pixels)
@@ -219,7 +219,7 @@ def test_read_media_of_a_file_name_and_of_a_run_without_media(tmp_path):
     logger.log_media(1, {"p": Image(RGB)})
     logger.close()
     (entry,) = read_media(tmp_path / "train.jsonl")
-    assert entry["image"] == tmp_path / "train.images" / "p-1.png"
+    assert entry["image"] == tmp_path / "train.images" / "p-148de9c5a7-1.png"
     assert (tmp_path / "train.media.jsonl").exists()
     with pytest.raises(FileNotFoundError, match=re.escape("no log there")):
         read_media(tmp_path / "nothing")
@@ -236,7 +236,7 @@ def _media_run(path, steps):
 def test_a_resumed_jsonl_log_drops_later_media_and_their_pngs(tmp_path):
     _media_run(tmp_path, [2, 4, 6])
     pngs = sorted(p.name for p in (tmp_path / "images").iterdir())
-    assert pngs == ["p-2.png", "p-4.png", "p-6.png"]
+    assert pngs == [f"p-148de9c5a7-{step}.png" for step in (2, 4, 6)]
 
     # Another run (not resumed) is refused, every file left as it was.
     before = (tmp_path / "media.jsonl").read_text()
@@ -254,6 +254,46 @@ def test_a_resumed_jsonl_log_drops_later_media_and_their_pngs(tmp_path):
     logger.log_media(6, {"s": Text("again")})
     logger.close()
     assert [m.get("text") for m in read_media(tmp_path)][-1] == "again"
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        ("eval/s/grid/1", "eval/s/grid 1"),  # one slug: eval_s_grid_1
+        ("eval/s/网格", "eval/s/グリッド"),  # non-Latin: one slug, eval_s
+        ("eval/s/Grid", "eval/s/grid"),  # one file on a file system ignoring case
+    ],
+)
+def test_media_keys_that_make_one_slug_get_files_of_their_own(tmp_path, keys):
+    logger = JsonlLogger(tmp_path)
+    first, second = Image(RGB), Image(GREY)
+    logger.log_media(3, {keys[0]: first, keys[1]: second})
+    logger.close()
+    got = read_media(tmp_path)
+    assert [m["key"] for m in got] == list(keys)
+    names = {m["image"].name.lower() for m in got}
+    assert len(names) == 2 and len(list((tmp_path / "images").iterdir())) == 2
+    np.testing.assert_array_equal(decoded(str(got[0]["image"])), first.to_uint8())
+    np.testing.assert_array_equal(decoded(str(got[1]["image"])), second.to_uint8())
+
+
+def test_a_log_written_before_hashed_names_is_read_as_written(tmp_path):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "eval_s_grey-2.png").write_bytes(Image(GREY).png())
+    (tmp_path / "metrics.jsonl").write_text("")
+    entry = {"step": 2, "key": "eval/s/grey", "image": "images/eval_s_grey-2.png"}
+    (tmp_path / "media.jsonl").write_text(json.dumps(entry) + "\n")
+    (got,) = read_media(tmp_path)
+    assert got["image"] == tmp_path / "images" / "eval_s_grey-2.png"
+    np.testing.assert_array_equal(decoded(str(got["image"])), Image(GREY).to_uint8())
+    logger = JsonlLogger(tmp_path)  # a resumed run goes on beside it
+    logger.start_run(2, resumed=True)
+    logger.log_media(4, {"eval/s/grey": Image(RGB)})
+    logger.close()
+    assert [m["image"].name for m in read_media(tmp_path)] == [
+        "eval_s_grey-2.png",
+        "eval_s_grey-4e5111d316-4.png",
+    ]
 
 
 # --------------------------------------------------------------- TensorBoard
@@ -308,13 +348,15 @@ def test_mlflow_logger_logs_text_artifacts_and_images(tmp_path, monkeypatch):
         logger.log_media(5, {"x": 1.0})
     logger.close()
     client = MlflowClient(tracking_uri=uri)
-    text = client.download_artifacts(logger.run_id, "media/eval_s_sample-5.txt")
+    text = client.download_artifacts(
+        logger.run_id, "media/eval_s_sample-e35caad6a4-5.txt"
+    )
     assert Path(text).read_text() == "The cat"
     images = [f.path for f in client.list_artifacts(logger.run_id, "images")]
     pngs = sorted(p for p in images if p.endswith(".png"))  # and small .webp
     assert len(pngs) == 2, images
     assert re.search(r"/eval.s.rgb.step.5.", pngs[0]), pngs
-    assert re.search(r"/odd_key.step.6.", pngs[1]), pngs
+    assert re.search(r"/odd_key-b00d297f97.step.6.", pngs[1]), pngs  # its hash
     local = client.download_artifacts(logger.run_id, pngs[0])
     np.testing.assert_array_equal(decoded(local), RGB)
 

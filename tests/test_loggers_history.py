@@ -400,3 +400,50 @@ def test_named_panels_bring_the_ema_and_the_per_parameter_norms():
         "grad_norm per param": ["b", "w"],
     }
     plt.close(fig)
+
+
+def test_plot_keeps_one_colour_per_series_and_legends_off_the_data():
+    """``eval test`` is the third series on the loss panel and the second on the
+    accuracy panel (val logs no accuracy): one colour on both; a population's
+    members, drawn before the mean, do not move the mean's colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = []
+    for step in (1, 2):
+        records += [
+            {"step": step, "split": "train", "metrics": {"loss": 1.0, "acc": 0.5}},
+            {
+                "step": step,
+                "split": "eval",
+                "metrics": {"val/loss": 1.1, "test/loss": 1.2, "test/acc": 0.4},
+            },
+        ]
+    fig = History(records).plot(["loss", "acc"])
+    colours = [{ln.get_label(): ln.get_color() for ln in ax.lines} for ax in fig.axes]
+    assert set(colours[1]) == {"train", "eval test"}
+    for label, colour in colours[1].items():
+        assert colours[0][label] == colour, label
+    assert len(set(colours[0].values())) == 3
+    for ax in fig.axes:
+        legend_box = ax.get_legend().get_window_extent()
+        assert legend_box.x0 >= ax.get_window_extent().x1  # right of the data
+    plt.close(fig)
+
+    members = {f"loss/member_{i}": 1.0 + i for i in range(3)}
+    pop = History(
+        [
+            {
+                "step": s,
+                "split": "train",
+                "metrics": {"loss": 2.0, **members, "lr": 0.1},
+            }
+            for s in (1, 2)
+        ]
+    )
+    fig = pop.plot(["loss", "lr"])
+    loss, lr = ({ln.get_label(): ln.get_color() for ln in ax.lines} for ax in fig.axes)
+    assert loss["train"] == lr["train"] == loss["train members"]
+    plt.close(fig)

@@ -224,7 +224,7 @@ def test_a_monitor_naming_no_evaluation_is_refused():
             callbacks=[EarlyStopping("eval/tset/mse")],
         )
     assert "'test'" in str(caught.value)
-    with pytest.raises(KeyError, match=re.escape("test/mse")):
+    with pytest.raises(ValueError, match=re.escape("are ['eval/test/mse']")):
         run(
             num_steps=4,
             evaluations=[Evaluation("test", EVAL, TEST)],

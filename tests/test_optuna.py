@@ -132,9 +132,11 @@ def test_bad_monitor_trial_and_missing_optuna_are_clear_errors(monkeypatch):
     with pytest.raises(TypeError, match="trial must be the optuna.Trial"):
         OptunaPruning("trial-0")
     with pytest.raises(
-        KeyError,
+        ValueError,
         match=re.escape(
-            "'eval/acc' is not among the eval metrics ['accuracy', 'loss']"
+            "OptunaPruning monitors 'eval/acc', which the evaluation of eval_step= "
+            "does not record: the run's eval metrics are ['eval/accuracy', "
+            "'eval/loss']"
         ),
     ):
         _fit(_state(0.1), [OptunaPruning(trial, "eval/acc")])
@@ -190,4 +192,4 @@ def test_pruning_reads_a_named_evaluation_only_where_it_ran():
         assert pruning.on_eval_end(None, record) is None
     assert pruning.reported == {4: 0.5}  # step 2 ran the test set only
     with pytest.raises(ValueError, match="names no evaluation of this run"):
-        OptunaPruning(study.ask(), "eval/other/loss").on_train_start(None, info)
+        OptunaPruning(study.ask(), "eval/other/loss").check(None, info)

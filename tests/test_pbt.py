@@ -151,3 +151,51 @@ def test_bad_use_is_refused_by_name():
         pbt.on_log(pop, record([0.1, 0.2, 0.3, 0.4]))
     with pytest.raises(ValueError, match="fraction must be in"):
         PopulationBasedTraining("loss", fraction=0.9)
+
+
+def eval_fn(*, model, state, rng, x):
+    return {"loss": jnp.mean((x @ model["w"] - 1.0) ** 2)}
+
+
+@pytest.mark.slow
+def test_pbt_acts_where_its_named_evaluation_ran():
+    """``test`` runs every 8 steps, ``val`` every 4: PBT on eval/test/loss
+    decides at 8 and 16 only, and nowhere raises at val's points."""
+    pop = pztrain.make_population(init, seeds=range(4), learning_rate=LRS)
+    data = pztrain.ArrayLoader({"x": np.ones((16, 3), np.float32)}, batch_size=4)
+    step = pztrain.build_eval_step(eval_fn)
+    evals = [
+        pztrain.Evaluation("val", step, data, every=4, at_end=False),
+        pztrain.Evaluation("test", step, data, every=8, at_end=False),
+    ]
+    pbt = PopulationBasedTraining("eval/test/loss", fraction=0.25)
+    pztrain.fit(
+        pop,
+        pztrain.build_train_step(loss_fn),
+        data,
+        num_steps=16,
+        log_every=4,
+        evaluations=evals,
+        callbacks=[pbt],
+        progress=False,
+    )
+    assert [d["step"] for d in pbt.decisions] == [8, 16]
+
+
+def test_pbt_checks_its_monitor_at_the_start():
+    pop = pztrain.make_population(init, seeds=range(4), learning_rate=LRS)
+    info = dataclasses.replace(INFO, evaluates=True, evaluations=("val", "test"))
+    with pytest.raises(ValueError, match=re.escape("evaluations are ['val', 'test']")):
+        PopulationBasedTraining("eval/tset/loss").on_train_start(pop, info)
+    PopulationBasedTraining("eval/test/loss").check_start(pop, info)  # fine
+
+
+def test_a_misspelled_monitor_lists_every_name_it_could_monitor():
+    pop = trained_population()
+    pbt = PopulationBasedTraining("los")
+    pbt.on_train_start(pop, INFO)
+    metrics = {f"m{j:02d}/member_{i}": 1.0 for j in range(15) for i in range(4)}
+    metrics.update({f"m{j:02d}": 1.0 for j in range(15)})
+    with pytest.raises(KeyError) as raised:
+        pbt.on_log(pop, {"step": 5, "split": "train", "metrics": metrics})
+    assert str([f"m{j:02d}" for j in range(15)]) in str(raised.value)

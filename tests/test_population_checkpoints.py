@@ -351,3 +351,41 @@ def test_resume_into_another_member_count_is_refused_and_writes_nothing(
         )
     assert snapshot(tmp_path / "c", tmp_path / "run") == before
     other.check_not_donated("the refused resume")  # the target is left whole
+
+
+def test_a_population_loaded_into_one_model_names_the_param_and_the_members(
+    tmp_path,
+):
+    """Into a model or params (not a state): the message names the param,
+    both shapes, the checkpoint's members and how to take one out; short."""
+    saved = pztrain.save_params(tmp_path / "pop", new_population())
+    with pytest.raises(CheckpointMismatchError) as raised:
+        pztrain.load_params(saved, init(0).params)  # a params dict, one run's
+    message = str(raised.value)
+    assert message.startswith(
+        f"Parameter 'b' in {saved} is float32[{K}], but the target expects float32[]."
+    )
+    assert f"holds a population of {K} members" in message
+    assert "pztrain.member(population, i)" in message and len(message) < 400
+    one = pztrain.save_params(tmp_path / "one", init(0))
+    with pytest.raises(CheckpointMismatchError, match=f"leading axis of {K}, as a"):
+        pztrain.load_params(one, new_population().params)  # one run's, into K
+
+
+def test_members_of_another_configuration_are_refused_naming_the_field():
+    import equinox as eqx
+
+    def wide(seed, width):
+        model = eqx.nn.MLP(3, 1, width, 1, key=jax.random.key(seed))
+        return pztrain.TrainState.initial_state(
+            model, optax.sgd(0.1), jax.random.key(0)
+        )
+
+    with pytest.raises(pztrain.PopulationError) as raised:
+        pztrain.stack_members([wide(0, 8), wide(1, 16)])
+    message = str(raised.value)
+    assert message.startswith(
+        "Member 1's structure differs from member 0's at .model_without_params: "
+        "MLP with width_size=16 against width_size=8."
+    )
+    assert len(message) < 400

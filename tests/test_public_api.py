@@ -27,6 +27,7 @@ MODULES = [
     "pztrain.checkpoint",
     "pztrain.data",
     "pztrain.ema",
+    "pztrain.finetune",
     "pztrain.groups",
     "pztrain.integrations",
     "pztrain.integrations.optuna",

@@ -156,14 +156,37 @@ def test_the_partial_record_holds_the_steps_since_the_last_log_point():
     )
 
 
+def test_a_signal_while_fit_checks_the_first_batch_stops_before_the_first_call(
+    tmp_path,
+):
+    traced = []
+
+    def signaling_loss(**kw):
+        if not traced:  # fit traces the step on the first batch, before the run
+            kill_self()
+        traced.append(1)
+        return loss_fn(**kw)
+
+    state, history = fit(
+        new_state(),
+        pztrain.build_train_step(signaling_loss),
+        loader(),
+        num_steps=8,
+        progress=False,
+        run_dir=tmp_path / "run",
+    )
+    assert history.stop_reason == "interrupted" and int(state.step) == 0
+    assert history.records == []
+
+
 @pytest.mark.slow  # a run stopped during its first compile
 @pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
 def test_a_signal_during_the_first_compile_stops_after_the_first_call(on_device):
     traced = []
 
     def signaling_loss(**kw):
-        if not traced:  # while the step is traced, before its first call
-            kill_self()
+        if len(traced) == 1:  # while the step compiles, before its first call
+            kill_self()  # (traced once before: fit checks the first batch)
         traced.append(1)
         return loss_fn(**kw)
 
@@ -555,7 +578,9 @@ class FailingLogger:
 
 
 def bad_eval(*, model, state, rng, x, y):
-    raise ValueError("eval_fn failed")
+    if x.shape[0] == 4:  # its second batch: the first is checked before the run
+        raise ValueError("eval_fn failed")
+    return {"mse": jnp.mean((x @ model["w"] + model["b"] - y) ** 2)}
 
 
 @pytest.mark.parametrize(
@@ -569,7 +594,7 @@ def bad_eval(*, model, state, rng, x, y):
         (
             dict(
                 eval_step=pztrain.build_eval_step(bad_eval),
-                eval_data=EVAL_DATA,
+                eval_data=[EVAL_DATA[0], {"x": X[16:20], "y": Y[16:20]}],
                 eval_every=6,
             ),
             ValueError,
@@ -690,3 +715,19 @@ def test_run_dir_equal_to_the_checkpoint_directory_is_locked_once(tmp_path):
         num_steps=4, log_every=2, run_dir=tmp_path, checkpoints=Checkpoints(tmp_path)
     )
     assert [r["step"] for r in history.records] == [2, 4]
+
+
+def test_the_stop_line_does_not_guess_who_got_jax_s_sigterm():
+    """With several processes, JAX's preemption service holds SIGTERM: the flag
+    learns of the stop with no signal name, whichever process got it (process 0
+    itself too), so the line must not say another process got it."""
+    from pztrain.loop._signals import StopFlag
+    from pztrain.loop._stops import stop_line
+
+    flag = StopFlag()
+    flag.stopped = True
+    line = stop_line(flag, 12, None)
+    assert line.startswith(
+        "pztrain.fit: preempted (SIGTERM to this process or another, through JAX) "
+        "at step 12."
+    )

@@ -1,4 +1,5 @@
-"""Guides and notebooks link the pztrain names they use.
+"""Guides, notebooks, the installation page and the changelog link the pztrain
+names they use.
 
 An inline literal of a guide or a notebook (Markdown's single backticks) whose text
 is a public pztrain name becomes a link to that name's entry in the API reference:
@@ -21,7 +22,7 @@ from sphinx import addnodes
 from sphinx.transforms import SphinxTransform
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
-PAGES = ("guides/", "notebooks/", "index")
+PAGES = ("guides/", "notebooks/", "index", "installation", "changelog")
 
 
 def link_target(text: str) -> str | None:

@@ -12,14 +12,25 @@ ZONE=${ZONE:?set ZONE to its zone}
 # share mounted on each): the checkpoints of a multi-host run, and the resume.
 RUN_DIR=${RUN_DIR:?set RUN_DIR to a directory on storage shared by the workers}
 
-# Once: this checkout on every worker, installed with JAX's TPU build.
-gcloud compute tpus tpu-vm scp --recurse "$PWD" "$TPU_NAME":pztrain \
+# Once: this checkout on every worker. Only its files, as git lists them (the
+# tracked ones and new ones, local edits included): not .git, nor what
+# .gitignore leaves out (the .venv of the installation page, runs/).
+ARCHIVE=$(mktemp --suffix=.tar.gz)
+trap 'rm -f "$ARCHIVE"' EXIT
+git ls-files -z --cached --others --exclude-standard | tar -czf "$ARCHIVE" --null -T -
+gcloud compute tpus tpu-vm scp "$ARCHIVE" "$TPU_NAME":pztrain.tar.gz \
   --zone="$ZONE" --worker=all
+# Each worker: the checkout in ~/pztrain, an environment in ~/pztrain-venv with
+# JAX's TPU build (the tpu extra).
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all \
-  --command='pip install -e "./pztrain[examples]" "jax[tpu]"'
+  --command='rm -rf pztrain && mkdir pztrain && tar -xzf pztrain.tar.gz -C pztrain &&
+    python3 -m venv pztrain-venv &&
+    pztrain-venv/bin/pip install -e "./pztrain[examples,tpu]"'
 
-# The same command on all workers at once (--worker=all). After a preemption or
-# a lost SSH session, run it again: resume=True goes on from the newest
-# checkpoint in RUN_DIR.
+# The same command on all workers at once (--worker=all), in that environment.
+# After a preemption or a lost SSH session, run this command again (the lines
+# above need not run twice): resume=True goes on from the newest checkpoint in
+# RUN_DIR.
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all \
-  --command="cd pztrain && python examples/cluster/train.py --auto-detect --run-dir $RUN_DIR --steps 20000"
+  --command="cd pztrain && source ../pztrain-venv/bin/activate &&
+    python examples/cluster/train.py --auto-detect --platform tpu --run-dir $RUN_DIR --steps 20000"

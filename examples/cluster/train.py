@@ -164,6 +164,28 @@ def connect(args: argparse.Namespace) -> dict[str, Any] | None:
     return kwargs
 
 
+def check_platform(wanted: str | None, found: str) -> None:
+    """Refuses to train on ``found`` (``jax.default_backend()``) when the job
+    asked for ``wanted``: without JAX's GPU build, JAX runs on the CPU, with
+    only a warning in the job's output.
+
+    Example:
+      >>> check_platform("gpu", "gpu"); check_platform(None, "cpu")
+      >>> check_platform("gpu", "cpu")
+      Traceback (most recent call last):
+      SystemExit: --platform gpu: JAX runs on cpu here. Install JAX's build for \
+gpu in the job's environment (pip install -e ".[cuda]" for NVIDIA GPUs, \
+".[tpu]" on TPU VMs), or leave --platform out to train on cpu.
+    """
+    if wanted is not None and wanted != found:
+        raise SystemExit(
+            f"--platform {wanted}: JAX runs on {found} here. Install JAX's build "
+            f"for {wanted} in the job's environment (pip install -e "
+            '".[cuda]" for NVIDIA GPUs, ".[tpu]" on TPU VMs), or leave --platform '
+            f"out to train on {found}."
+        )
+
+
 def loss_fn(*, model, state, rng, images, labels):
     images = images + 0.05 * jax.random.normal(rng, images.shape)  # input noise
     logits = logits_of(model, images)
@@ -219,6 +241,7 @@ class Report(pztrain.Callback):
 
 def main(args: argparse.Namespace) -> int:
     connect(args)  # before anything else touches the devices
+    check_platform(args.platform, jax.default_backend())
     n = jax.device_count()  # every process's devices
     label = f"process {jax.process_index()} of {jax.process_count()}"
     print(f"{label}: {jax.local_device_count()} of {n} devices", flush=True)
@@ -279,6 +302,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=200)
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--platform",
+        choices=["cpu", "gpu", "tpu"],
+        help="refuse to train unless JAX runs on it (default: wherever it runs)",
+    )
     cluster = parser.add_argument_group("processes (default: from the environment)")
     cluster.add_argument("--coordinator", help="HOST:PORT of process 0")
     cluster.add_argument("--num-processes", type=int)

@@ -29,15 +29,28 @@ import shutil
 import sys
 from typing import Any
 
-__all__ = ["PROGRESS_ENV", "LastLine", "fit_width", "pace", "restart_clock", "tqdm_bar"]
+__all__ = [
+    "PROGRESS_ENV",
+    "LastLine",
+    "check_tqdm",
+    "fit_width",
+    "pace",
+    "restart_clock",
+    "tqdm_bar",
+]
 
 PROGRESS_ENV = "PZTRAIN_PROGRESS"
 _STYLES = ("auto", "text")
 
 
-def tqdm_bar(**kwargs: Any) -> Any:
-    """``tqdm.auto.tqdm(**kwargs)`` (a notebook's widget or a text bar), or
-    tqdm's text bar on standard output with ``PZTRAIN_PROGRESS=text``."""
+def check_tqdm() -> tuple[str, tuple[Any, Any]]:
+    """The bar's style (``PZTRAIN_PROGRESS``) and tqdm's two bar classes
+    (auto, text).
+
+    Raises:
+      ValueError: for another style than ``auto`` or ``text``.
+      ImportError: without tqdm, naming the extra to install.
+    """
     style = os.environ.get(PROGRESS_ENV, "") or "auto"
     if style not in _STYLES:
         raise ValueError(
@@ -53,6 +66,13 @@ def tqdm_bar(**kwargs: Any) -> Any:
             "The progress bar needs tqdm: pip install 'pztrain[progress]' "
             "(or pass progress=False to fit)."
         ) from None
+    return style, (tqdm, text_tqdm)
+
+
+def tqdm_bar(**kwargs: Any) -> Any:
+    """``tqdm.auto.tqdm(**kwargs)`` (a notebook's widget or a text bar), or
+    tqdm's text bar on standard output with ``PZTRAIN_PROGRESS=text``."""
+    style, (tqdm, text_tqdm) = check_tqdm()
     if style == "text":  # a saved line, read later: whole, not cut to a width
         kwargs["dynamic_ncols"] = False
         return text_tqdm(file=LastLine(sys.stdout), **kwargs)

@@ -46,7 +46,8 @@ class Callback:
     `pztrain.TrainState` (the loop continues with it) or `pztrain.Stop`. `fit` runs its
     hooks as one ordered list: the progress bar, the callbacks in the order given, the
     loggers, then the checkpoints. An ``on_log`` that only reads the record can say so
-    with `record_only`, which lets log points overlap with training.
+    with `record_only`, which lets log points overlap with training. `check` refuses
+    settings that do not fit a run before `fit` writes anything.
 
     Example:
       >>> from pztrain import Callback
@@ -54,12 +55,42 @@ class Callback:
       >>> class StopAtLoss(Callback):  # fit(..., callbacks=[StopAtLoss()])
       ...     def on_log(self, state, record):
       ...         return Stop("low") if record["metrics"]["loss"] < 0.1 else None
+      ...
       >>> StopAtLoss().on_log(None, {"step": 5, "metrics": {"loss": 0.05}})
       Stop(reason='low', state=None)
     """
 
+    def check(self, state: TrainState, info: LoopInfo) -> None:
+        """Refuses a run its settings do not fit, before anything is written.
+
+        `pztrain.fit` calls it on every hook of the run (the progress bar, the
+        callbacks, the checkpoints; and ``check(info)`` on every logger that
+        has one) once its own arguments are checked and its first batches
+        traced, before the run directory, a log or a checkpoint is touched:
+        a refusal leaves the disk as it was. It reads; it changes nothing.
+
+        Args:
+          state: The state given to `fit` (a resume has not restored one yet).
+          info: The run as known before it starts (`pztrain.LoopInfo`: its
+            evaluations, the metrics they record).
+
+        Raises:
+          ValueError, TypeError: naming the setting at fault and what to pass.
+
+        Example:
+          >>> from pztrain import Callback, LoopInfo
+          >>> class NeedsEval(Callback):
+          ...     def check(self, state, info):
+          ...         if not info.evaluates:
+          ...             raise ValueError("NeedsEval needs eval_step= and eval_data=.")
+          >>> NeedsEval().check(None, LoopInfo(0, 10, None, 1, 5, False, None))
+          Traceback (most recent call last):
+          ...
+          ValueError: NeedsEval needs eval_step= and eval_data=.
+        """
+
     def on_train_start(self, state: TrainState, info: LoopInfo) -> Any:
-        """Before the first step."""
+        """Before the first step (after `check`, and a resume)."""
 
     def on_log(self, state: TrainState, record: dict[str, Any]) -> Any:
         """At each train log point, with the metrics averaged since the last."""

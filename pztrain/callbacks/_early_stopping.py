@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pztrain.callbacks._base import Callback
-from pztrain.callbacks._monitored import eval_owner, eval_value
+from pztrain.callbacks._monitored import check_eval_monitor, eval_value
 from pztrain.records import Stop
 
 if TYPE_CHECKING:
@@ -141,15 +141,18 @@ class EarlyStopping(Callback):
             saved["wait"],
         )
 
-    def on_train_start(self, state, info):
-        if _split_monitor(self.monitor)[0] == "eval" and not info.evaluates:
+    def check(self, state, info):
+        """Refuses an eval monitor the run does not record (no evaluation, an
+        evaluation it names not, a metric its evaluation does not record)."""
+        if _split_monitor(self.monitor)[0] != "eval":
+            return
+        if not info.evaluates:
             raise ValueError(
                 f"EarlyStopping monitors {self.monitor!r} but fit runs no "
                 "evaluation: pass eval_step and eval_data, or monitor a train "
                 "metric such as 'loss'."
             )
+        check_eval_monitor("EarlyStopping", self.monitor, info)
+
+    def on_train_start(self, state, info):
         self._evaluations = info.evaluation_names
-        try:
-            eval_owner(self.monitor, self._evaluations)
-        except ValueError as e:
-            raise ValueError(f"EarlyStopping: {e}") from None

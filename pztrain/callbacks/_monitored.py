@@ -9,9 +9,12 @@ only from the records of the points where its evaluation ran.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["eval_owner", "eval_value"]
+if TYPE_CHECKING:
+    from pztrain.records import LoopInfo
+
+__all__ = ["check_eval_monitor", "eval_owner", "eval_value"]
 
 
 def eval_value(
@@ -79,4 +82,44 @@ def eval_owner(monitor: str, evaluations: Sequence[str]) -> str | None:
         f"The monitor {monitor!r} names no evaluation of this run: its "
         f"evaluations are {names}; monitor 'eval/<name>/<metric>' of one of "
         "them, or a train metric such as 'loss'."
+    )
+
+
+def check_eval_monitor(who: str, monitor: str, info: LoopInfo) -> None:
+    """Refuses an eval ``monitor`` (``"eval/..."``) that no evaluation of the
+    run records, before the run (`pztrain.Callback.check`): one naming no
+    evaluation, or a metric its evaluation does not record (when the names
+    are known: `pztrain.LoopInfo.eval_metrics`).
+
+    Args:
+      who: The callback, as the message names it (``"EarlyStopping"``).
+      monitor: The monitored name, ``"eval/..."``.
+      info: The run's `pztrain.LoopInfo`.
+
+    Raises:
+      ValueError: naming ``monitor`` and the eval metrics the run records.
+
+    Example:
+      >>> from pztrain import LoopInfo
+      >>> info = LoopInfo(0, 10, None, 1, 5, True, None,
+      ...                 evaluations=("val",), eval_metrics={"val": ("val/mse",)})
+      >>> check_eval_monitor("EarlyStopping", "eval/val/mse", info)
+      >>> check_eval_monitor("EarlyStopping", "eval/val/loss", info)
+      Traceback (most recent call last):
+      ...
+      ValueError: EarlyStopping monitors 'eval/val/loss', which evaluation 'val' \
+does not record: the run's eval metrics are ['eval/val/mse']. Monitor one of them.
+    """
+    try:
+        owner = eval_owner(monitor, info.evaluation_names)
+    except ValueError as e:
+        raise ValueError(f"{who}: {e}") from None
+    known = info.eval_metrics.get(owner) if owner is not None else None
+    if known is None or monitor.partition("/")[2] in known:
+        return  # the names of a host function's values are known when it runs
+    which = f"evaluation {owner!r}" if owner else "the evaluation of eval_step="
+    every = [f"eval/{n}" for names in info.eval_metrics.values() for n in names or ()]
+    raise ValueError(
+        f"{who} monitors {monitor!r}, which {which} does not record: the run's "
+        f"eval metrics are {every}. Monitor one of them."
     )

@@ -29,7 +29,8 @@ class NanPolicy(Callback):
         non-finite updates than its ``max_consecutive_errors``: it then applies them),
         training stops at the next log point.
 
-    Either way `pztrain.Checkpoints` never saves params that are not finite, and the
+    Either way `pztrain.Checkpoints` never saves params that are not finite (a
+    population's: while one member's are finite, the whole population), and the
     arrays at fault are named (`pztrain.step.explain_in_run`) in the stop message, or in
     the record's ``"nonfinite"`` when updates are skipped; on a stop, by replaying the
     steps from the run's newest checkpoint before the first non-finite one (only once
@@ -51,13 +52,16 @@ class NanPolicy(Callback):
             raise ValueError(f"mode must be 'stop' or 'skip'; got {mode!r}.")
         self.mode, self.info = mode, None
 
-    def on_train_start(self, state, info):
+    def check(self, state, info):
+        """Refuses ``"skip"`` with an optimizer that does not skip."""
         if self.mode == "skip" and _apply_if_finite_state(state.opt_state) is None:
             raise ValueError(
                 "NanPolicy('skip') needs the optimizer wrapped to skip non-finite "
                 "updates: optimizer_def=optax.apply_if_finite(tx, "
                 "max_consecutive_errors=10)."
             )
+
+    def on_train_start(self, state, info):
         self.info = info
 
     def on_log(self, state, record):

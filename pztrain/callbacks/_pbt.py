@@ -3,7 +3,9 @@ at host points (Jaderberg et al., 2017)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +15,7 @@ import numpy as np
 
 from pztrain._members import member_key
 from pztrain.callbacks._base import Callback
+from pztrain.callbacks._monitored import eval_owner, eval_value
 from pztrain.population import population_size, set_member_hyperparams
 from pztrain.records import LoopInfo
 
@@ -22,13 +25,15 @@ if TYPE_CHECKING:
 __all__ = ["PopulationBasedTraining"]
 
 _KEEP = ("step", "root_rng")  # a member keeps its own key: copies must not share
+_ONE = re.compile(r"/member_\d+$")  # a member's entry of a metric
 
 
 class PopulationBasedTraining(Callback):
     """Population-based training: at every ``every``-th evaluation (or train log
     point), the members ranked worst by ``monitor`` take over the weights and
     optimizer state of members ranked best (exploit), then their injected
-    hyperparameters are multiplied by a factor drawn from ``perturb`` (explore).
+    hyperparameters are multiplied by one of the factors ``perturb`` lists,
+    picked at random (explore).
 
     A replaced member copies everything of its source (params, optimizer
     state, with the source's hyperparameters, loss-function state, the arrays
@@ -41,13 +46,18 @@ class PopulationBasedTraining(Callback):
 
     Args:
       monitor: A metric of the records, with a value per member: ``"eval/<name>"``
-        (read after evaluations) or a train metric (read at log points).
+        (read after evaluations; a named evaluation's ``"eval/<evaluation>/
+        <name>"``, read only at the points where that evaluation ran) or a
+        train metric (read at log points).
       mode: ``"min"`` or ``"max"``: which values are best.
       fraction: The share of members replaced (the worst) and copied (the
         best) at each decision, at least one each.
-      perturb: Injected hyperparameter name → factors; each replaced member's
-        value is multiplied by one drawn at random.
-      every: Decide at every ``every``-th evaluation or log point.
+      perturb: Injected hyperparameter name → the factors to choose from (not
+        a range): each replaced member's value is multiplied by one of them,
+        picked at random. Default ``{"learning_rate": (0.8, 1.25)}``: times
+        0.8 or times 1.25, never a factor in between.
+      every: Decide at every ``every``-th evaluation (of the monitored one)
+        or log point.
       seed: Seeds the draws (sources among the best, factors).
 
     Attributes:
@@ -62,11 +72,13 @@ class PopulationBasedTraining(Callback):
       ...     w = jax.random.normal(jax.random.key(seed), (2,))
       ...     key = jax.random.key(seed)
       ...     return pztrain.TrainState.initial_state({"w": w}, tx, key)
+      ...
       >>> pop = pztrain.make_population(init, seeds=range(4),
       ...                               learning_rate=[1e-3, 1e-2, 1e-1, 3e-1])
       >>> def loss_fn(*, model, state, rng, x):
       ...     loss = jnp.mean((x @ model["w"] - 1.0) ** 2)
       ...     return loss, state, {}
+      ...
       >>> pbt = PopulationBasedTraining("loss", fraction=0.25, seed=0)
       >>> data = pztrain.ArrayLoader({"x": np.ones((32, 2), np.float32)}, batch_size=8)
       >>> pop, history = pztrain.fit(pop, pztrain.build_train_step(loss_fn), data,
@@ -103,8 +115,20 @@ class PopulationBasedTraining(Callback):
         self.every, self.seed = every, seed
         self.decisions: list[dict[str, Any]] = []
         self._seen = 0
+        self._evaluations: tuple[str, ...] = ("",)  # fit's, from check_start
 
     def on_train_start(self, state: TrainState, info: LoopInfo) -> None:
+        self.check_start(state, info)
+
+    def check_start(self, state: TrainState, info: LoopInfo) -> None:
+        """Refuses a run this callback cannot act on, before its first step:
+        a single run or a population of one, ``perturb`` names the optimizer
+        does not inject, an eval monitor in a run without evaluations or
+        naming none of its evaluations (``"eval/<name>/<metric>"``).
+
+        Raises:
+          ValueError: naming the problem and what to do.
+        """
         size = population_size(state)
         if size is None or size < 2:
             raise ValueError(
@@ -124,12 +148,28 @@ class PopulationBasedTraining(Callback):
                 "does not evaluate: pass eval_step= and eval_data= to fit, or "
                 "monitor a train metric."
             )
+        self._evaluations = tuple(info.evaluation_names)
+        try:
+            eval_owner(self.monitor, self._evaluations)
+        except ValueError as e:
+            raise ValueError(f"PopulationBasedTraining: {e}") from None
 
     def on_log(self, state: TrainState, record: dict[str, Any]) -> Any:
         return None if self.on_eval else self._maybe_decide(state, record)
 
     def on_eval_end(self, state: TrainState, record: dict[str, Any]) -> Any:
-        return self._maybe_decide(state, record) if self.on_eval else None
+        if not (self.on_eval and self._ran(record)):
+            return None
+        return self._maybe_decide(state, record)
+
+    def _ran(self, record: dict[str, Any]) -> bool:
+        """Whether the monitored evaluation ran at this eval point (named
+        evaluations keep their own cadences): a decision is made only there."""
+        record = {"split": "eval", **record}
+        with contextlib.suppress(KeyError):  # it ran without the metric: named later
+            monitor = member_key(self.monitor, 0)
+            return eval_value(record, monitor, self._evaluations) is not None
+        return True
 
     def _maybe_decide(self, state: TrainState, record: dict[str, Any]) -> Any:
         self._seen += 1
@@ -146,9 +186,14 @@ class PopulationBasedTraining(Callback):
         keys = [member_key(self.metric, i) for i in range(size)]
         missing = [k for k in keys if k not in metrics]
         if missing:
+            split = "eval/" if self.on_eval else ""
+            valid = sorted(
+                {f"{split}{k.rpartition('/')[0]}" for k in metrics if _ONE.search(k)}
+            )
             raise KeyError(
                 f"PopulationBasedTraining: the record has no {missing[0]!r} (monitor "
-                f"{self.monitor!r}); its metrics are {sorted(metrics)[:12]}."
+                f"{self.monitor!r}); the metrics with a value per member it can "
+                f"monitor here are {valid}."
             )
         values = np.array([metrics[k] for k in keys], np.float64)
         values[~np.isfinite(values)] = np.inf if self.mode == "min" else -np.inf

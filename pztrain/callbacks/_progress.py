@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pztrain.callbacks._bar import fit_width, pace, restart_clock, tqdm_bar
+from pztrain.callbacks._bar import check_tqdm, fit_width, pace, restart_clock, tqdm_bar
 from pztrain.callbacks._base import Callback, record_only
 from pztrain.records import SPREAD
 
@@ -55,6 +55,7 @@ class ProgressBar(Callback):
       >>> class Bar:
       ...     def __init__(self, **kw): self.moves = []
       ...     def update(self, n): self.moves.append(n)
+      ...
       >>> from pztrain.records import LoopInfo
       >>> pb = ProgressBar(make_bar=Bar)  # paced by the clock fit gives it
       >>> info = LoopInfo(start_step=0, end_step=None, steps_per_epoch=None,
@@ -85,6 +86,12 @@ class ProgressBar(Callback):
         self._timed = False  # the clock restarted after the first call
         self._train: dict[str, str] = {}  # the postfix: last train metrics
         self._eval: dict[str, str] = {}  # and last eval metrics
+
+    def check(self, state, info):
+        """Refuses a bad ``PZTRAIN_PROGRESS`` and a missing tqdm (for the
+        default bar) before the run."""
+        if self._make_bar is None:
+            check_tqdm()
 
     def on_train_start(self, state, info):
         make_bar = self._make_bar or tqdm_bar

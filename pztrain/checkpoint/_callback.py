@@ -16,11 +16,11 @@ from typing import Any
 
 import jax
 
-from pztrain._tree import all_finite
 from pztrain.callbacks import Callback
-from pztrain.callbacks._monitored import eval_owner, eval_value
+from pztrain.callbacks._monitored import check_eval_monitor, eval_value
 from pztrain.checkpoint import _directory, _format
 from pztrain.checkpoint._due import SavePoints
+from pztrain.checkpoint._metadata import checkpoint_steps
 from pztrain.checkpoint._retention import Retention
 from pztrain.checkpoint._store import CheckpointStore
 from pztrain.records import jsonable
@@ -35,6 +35,7 @@ class Checkpoints(Callback):
 
     Keeps the last ``keep_last`` checkpoints and the best ``keep_best`` by ``monitor``;
     the newest checkpoint is always kept, so best-k never deletes what resume needs.
+    One that `pztrain.evaluate_checkpoints` is reading is deleted at a later save.
     With each checkpoint it stores the ``state_dict()`` of the run's other callbacks
     (e.g. `pztrain.EarlyStopping`'s counters).
 
@@ -166,7 +167,8 @@ class Checkpoints(Callback):
 
         In the background inside `fit` or a ``with`` block (if ``async_save``);
         otherwise it returns once the checkpoint is on disk. Params that are not
-        finite are not saved (a warning says so).
+        finite are not saved (a warning says so); a population is saved while
+        one member's are (a warning names the others).
 
         Raises:
           CheckpointError: if checkpoint ``step`` exists (and not
@@ -187,14 +189,8 @@ class Checkpoints(Callback):
         check_alive(state, "Checkpoints.save", "the arrays of this TrainState")
         self.wait()  # the previous save first: its error names its step
         self.points.saved(step)
-        if not all_finite(state.params):
-            warnings.warn(
-                f"Not saving checkpoint {step} in {self.directory}: its params are "
-                "not finite (NaN or inf). The newest checkpoint stays "
-                f"{max(self.steps(), default=None)}.",
-                stacklevel=3,
-            )
-            return
+        if not self.store.worth_saving(state, step):
+            return  # params not finite (a population's: no member's): a warning
         meta = self._metadata(state, metrics)
         if owed_eval is not None:
             meta["owed_eval"] = {"step": owed_eval[0], "epoch": owed_eval[1]}
@@ -340,21 +336,25 @@ class Checkpoints(Callback):
 
     # -- callback hooks
 
-    def on_train_start(self, state, info):
-        if self.keep_best and not info.evaluates and self.monitor.startswith("eval/"):
+    def check(self, state, info):
+        """Refuses a fresh run into a directory that holds checkpoints (as
+        `prepare` does), and ``keep_best`` by an eval metric none records."""
+        if not info.resume and not self.overwrite:
+            steps = checkpoint_steps(self.directory)  # the listing: no manager
+            _directory.refuse_used(self.directory, steps, _step_of(state))
+        who = f"Checkpoints(keep_best={self.keep_best})"
+        if not self.keep_best or not self.monitor.startswith("eval/"):
+            return
+        if not info.evaluates:
             raise ValueError(
-                f"Checkpoints(keep_best={self.keep_best}) ranks checkpoints by "
-                f"{self.monitor!r}, but fit runs no evaluation: pass eval_step and "
-                "eval_data to fit, or monitor a train metric."
+                f"{who} ranks checkpoints by {self.monitor!r}, but fit runs no "
+                "evaluation: pass eval_step and eval_data to fit, or monitor a "
+                "train metric."
             )
+        check_eval_monitor(who, self.monitor, info)
+
+    def on_train_start(self, state, info):
         self._evaluations = info.evaluation_names
-        if self.keep_best:
-            try:
-                eval_owner(self.monitor, self._evaluations)
-            except ValueError as e:
-                raise ValueError(
-                    f"Checkpoints(keep_best={self.keep_best}): {e}"
-                ) from None
         self._hparams = jsonable(dict(info.hparams))
         self._running = True
         self._callbacks = tuple(info.callbacks)

@@ -323,7 +323,7 @@ def load_state(directory: str | os.PathLike, like: TrainState) -> TrainState:
     stored = stored_params(meta)
     like_params = params_of(like)
     targets = dict(named_leaves(like_params))
-    check_params(path, stored, targets, partial=False)
+    check_params(path, stored, targets, False, meta.get("members"))
     leaves = _state_leaves(like)
     like_arrays = [(p, x) for p, x in leaves if is_array_like(x)]
     check_state(path, meta["state"], like_arrays)

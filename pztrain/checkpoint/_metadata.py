@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from pztrain._members import member_shape_note
 from pztrain._tree import describe, describe_shape, is_array
 
 __all__ = [
@@ -100,6 +101,7 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
       >>> with tempfile.TemporaryDirectory() as d:
       ...     path = save_params(d + "/ckpt", {"w": jnp.ones(2)}, metadata={"lr": 0.1})
       ...     meta = read_metadata(path)
+      ...
       >>> meta["metadata"], meta["params"]["names"], meta["params"]["shapes"]
       ({'lr': 0.1}, ['w'], [[2]])
     """
@@ -353,9 +355,14 @@ def _check_not_empty(label: str, x: Any) -> None:
 
 
 def check_params(
-    path: Path, stored: dict[str, Any], like_named: dict[str, Any], partial: bool
+    path: Path,
+    stored: dict[str, Any],
+    like_named: dict[str, Any],
+    partial: bool,
+    members: int | None = None,
 ) -> set[str]:
-    """Checks names, shapes and dtypes; returns the names to load.
+    """Checks names, shapes and dtypes; returns the names to load. ``members``:
+    the checkpoint's population size (``None``: one run's).
 
     Raises:
       CheckpointMismatchError: naming the names, shapes or dtypes that differ.
@@ -372,10 +379,14 @@ def check_params(
         leaf = like_named[name]
         want = (tuple(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf).__name__)))
         if stored[name] != want:
+            note = member_shape_note(stored[name][0], want[0], members)
             raise CheckpointMismatchError(
                 f"Parameter {name!r} in {path} is {describe_shape(*stored[name])}, "
-                f"but the target expects {describe_shape(*want)}. Build the model "
-                "with the configuration it was trained with."
+                f"but the target expects {describe_shape(*want)}. "
+                + (
+                    note
+                    or "Build the model with the configuration it was trained with."
+                )
             )
     return set(like_named) & set(stored)
 

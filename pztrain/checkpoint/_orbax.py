@@ -26,6 +26,7 @@ from pztrain.checkpoint._metadata import CheckpointError
 
 __all__ = [
     "all_agree",
+    "all_agree_each",
     "barrier",
     "checkpointer",
     "handlers",
@@ -226,3 +227,14 @@ def all_agree(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def all_agree_each(flags: list[bool]) -> list[bool]:
+    """Each of ``flags`` and-ed over every process (``flags`` in one process);
+    every process must pass as many."""
+    if jax.process_count() == 1:
+        return list(flags)
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray(flags, dtype=bool))
+    return [bool(v) for v in np.all(np.asarray(gathered), axis=0)]

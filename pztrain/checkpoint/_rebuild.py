@@ -52,6 +52,7 @@ def load_from_checkpoint(
       >>> from pztrain.checkpoint import save_params
       >>> def build(width):
       ...     return {"w": jnp.zeros(width)}
+      ...
       >>> d = tempfile.mkdtemp() + "/ckpt"
       >>> _ = save_params(d, {"w": jnp.ones(3)}, metadata={"hparams": {"width": 3}})
       >>> load_from_checkpoint(d, build)["w"]

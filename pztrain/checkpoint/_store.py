@@ -4,17 +4,33 @@
 state (the run's metrics, hyperparameters and callback states); a
 `CheckpointStore` does the rest: it writes through a `Writer` (orbax, in the
 background or not), deletes what its `Retention` lets go once nothing is
-pending, holds the directory's lock for a run, and finds the newest readable
-checkpoint to resume from (`pztrain.checkpoint._directory`).
+pending (but not a checkpoint an evaluation job is reading: its reader's mark,
+`pztrain.checkpoint._readers`), holds the directory's lock for a run, and
+finds the newest readable checkpoint to resume from
+(`pztrain.checkpoint._directory`).
+
+What it writes: params that are finite, and a population while one of its
+members' are. A population is one state, so its checkpoint holds every
+member (a run resumes with the same members, keys and hyperparameters): a
+member that diverged (NaN or inf params) does not stop the others'
+checkpoints; a warning names it, and its records show it (its
+``loss/member_<i>`` is NaN, ``loss/diverged`` counts it). Ranking by
+``loss/min`` or ``eval/<metric>/min`` uses the finite members
+(`pztrain._members.spread`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 from typing import Any
 
-from pztrain.checkpoint import _directory, _format
+import numpy as np
+
+from pztrain._members import finite_members, member_count
+from pztrain._tree import all_finite
+from pztrain.checkpoint import _directory, _format, _readers
 from pztrain.checkpoint._lock import locked
 from pztrain.checkpoint._metadata import CheckpointError
 from pztrain.checkpoint._retention import Retention
@@ -95,6 +111,34 @@ class CheckpointStore:
         self._lock.enter_context(locked(self.directory))
         _directory.check_writable(self.directory)
 
+    def worth_saving(self, state: TrainState, step: int) -> bool:
+        """Whether checkpoint ``step`` of ``state`` is written: not if its
+        params are not finite (for a population: no member's are), with a
+        warning (as the caller of `pztrain.Checkpoints.save`) that says so,
+        or that names a population's members that are not."""
+        if all_finite(state.params):
+            return True
+        members = member_count(state.root_rng)
+        finite = None if members is None else finite_members(state.params, members)
+        if finite is None or not finite.any():
+            whose = "its params are not" if finite is None else "no member's params are"
+            warnings.warn(
+                f"Not saving checkpoint {step} in {self.directory}: {whose} "
+                "finite (NaN or inf). The newest checkpoint stays "
+                f"{max(self.steps(), default=None)}.",
+                stacklevel=4,
+            )
+            return False
+        warnings.warn(
+            f"Saving the checkpoints in {self.directory} with population members "
+            f"{np.flatnonzero(~finite).tolist()} whose params are not finite (NaN "
+            f"or inf): the whole population is saved, {int(finite.sum())} of its "
+            f"{members} members finite (their loss/member_<i> is NaN, "
+            "loss/diverged counts them).",
+            stacklevel=4,
+        )
+        return True
+
     def write(
         self,
         step: int,
@@ -128,9 +172,12 @@ class CheckpointStore:
         self._tidy()
 
     def _tidy(self) -> None:
-        """Deletes the complete checkpoints the retention policy lets go."""
+        """Deletes the complete checkpoints the retention policy lets go,
+        but not one that a job beside the run is reading (its reader's mark,
+        `pztrain.checkpoint._readers`): a later tidy deletes that one."""
         if self.writer.failed is None and self.metrics:
-            self.writer.delete(self.retention.delete(self._saved()))
+            drop = self.retention.delete(self._saved())
+            self.writer.delete(_readers.unheld(self.directory, drop))
 
     def close(self) -> None:
         """Finishes pending saves and releases the manager (even if one failed)

@@ -23,6 +23,7 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
+from pztrain._members import member_shape_note
 from pztrain._table import text_table
 from pztrain._tree import describe_shape, named_leaves
 from pztrain.checkpoint._metadata import (
@@ -63,6 +64,7 @@ class LoadReport:
       ...     like = {"backbone": {"w": jnp.zeros(2)}, "head": jnp.zeros(3)}
       ...     model, report = load_params(path, like, rename={"encoder": "backbone"},
       ...                                 partial=True, return_report=True)
+      ...
       >>> report.loaded, report.left, report.ignored
       ({'backbone/w': 'encoder/w'}, ('head',), ('decoder',))
       >>> print(report)  # doctest: +ELLIPSIS
@@ -121,7 +123,7 @@ def plan_load(
     """
     stored, targets = stored_params(meta), dict(named_leaves(params))
     if rename is None:
-        wanted = check_params(path, stored, targets, partial)
+        wanted = check_params(path, stored, targets, partial, meta.get("members"))
         pairs = {n: n for n in targets if n in wanted}
     else:
         if ema:
@@ -131,7 +133,7 @@ def plan_load(
                 "with rename=."
             )
         pairs = _renamed_pairs(path, stored, targets, _new_names(path, stored, rename))
-        _check_pairs(path, stored, targets, pairs, partial)
+        _check_pairs(path, stored, targets, pairs, partial, meta.get("members"))
     used = set(pairs.values())
     return LoadReport(
         directory=path,
@@ -265,6 +267,7 @@ def _check_pairs(
     targets: dict[str, Any],
     pairs: dict[str, str],
     partial: bool,
+    members: int | None = None,
 ) -> None:
     """Checks shapes and dtypes of the pairs, and, unless ``partial``, that
     every name is used.
@@ -280,8 +283,12 @@ def _check_pairs(
             raise CheckpointMismatchError(
                 f"Parameter {s!r} in {path}{loaded_as} is "
                 f"{describe_shape(*stored[s])}, but the target's {t!r} is "
-                f"{describe_shape(*want)}. Rename it to a param of that shape, or "
-                "build the model with the configuration it was trained with."
+                f"{describe_shape(*want)}. "
+                + (
+                    member_shape_note(stored[s][0], want[0], members)
+                    or "Rename it to a param of that shape, or build the model "
+                    "with the configuration it was trained with."
+                )
             )
     left = [t for t in targets if t not in pairs]
     used = set(pairs.values())

@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
+
+import jax
 
 from pztrain.checkpoint import _directory, _orbax
 from pztrain.checkpoint._metadata import CheckpointError
 
-__all__ = ["Writer"]
+__all__ = ["TRASH", "Writer"]
+
+TRASH = ".pztrain-deleting"
+"""Where a deleted checkpoint goes (renamed) before it is removed."""
 
 
 class Writer:
@@ -45,6 +51,7 @@ class Writer:
             options = ocp.CheckpointManagerOptions(
                 enable_async_checkpointing=self.async_save,
                 cleanup_tmp_directories=True,  # what killed or failed saves left
+                todelete_subdir=TRASH,  # deletes are renames first: atomic
                 create=True,
             )
             self._manager = ocp.CheckpointManager(
@@ -101,9 +108,23 @@ class Writer:
             self.wait()
 
     def delete(self, steps: list[int]) -> None:
-        """Deletes checkpoints ``steps`` (none of them may be saving)."""
+        """Deletes checkpoints ``steps`` (none of them may be saving).
+
+        Each ``<step>`` is first renamed into ``TRASH`` (orbax's
+        ``todelete_subdir``), then removed: a reader beside the run finds a
+        whole checkpoint or none, never one half deleted.
+        """
+        if not steps:
+            return
+        self._empty_trash()  # what a run killed while deleting left
         for step in steps:
             self.manager.delete(step)
+        self._empty_trash()
+
+    def _empty_trash(self) -> None:
+        if jax.process_index() == 0:  # the process that renamed them
+            trash = self.directory / TRASH
+            shutil.rmtree(trash, ignore_errors=True)
 
     def close(self) -> None:
         """Finishes pending saves and releases the manager (even if one failed)."""

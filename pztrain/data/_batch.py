@@ -44,6 +44,7 @@ def check_batch(
     *,
     steps_per_call: int = 1,
     scalars: bool = False,
+    members: int | None = None,
 ) -> int | None:
     """Checks one batch and returns its size; on tracers too (the step's trace).
 
@@ -54,6 +55,9 @@ def check_batch(
         its batch axis.
       scalars: Allow leaves without a batch axis, and no leaves at all (as a
         train step does: its loss function may need no batch).
+      members: One batch per member of a population of ``members``: every
+        leaf has a leading member axis of that length before the others, and
+        the size returned is a member's batch.
 
     Returns:
       The batch-axis length shared by the leaves (``None`` if none has one).
@@ -69,6 +73,8 @@ def check_batch(
       4
       >>> check_batch({"x": np.zeros((2, 4, 3))}, steps_per_call=2)
       4
+      >>> check_batch({"x": np.zeros((3, 4, 2))}, members=3)  # 3 batches of 4
+      4
     """
     if not isinstance(batch, Mapping):
         raise BatchError(
@@ -82,7 +88,8 @@ def check_batch(
     sizes: dict[str, int] = {}
     for name, leaf in leaves:
         _check_leaf(name, leaf, scalars)
-        size = _batch_axis(name, np.shape(leaf), steps_per_call, scalars)
+        shape = _member_axis(name, np.shape(leaf), members)
+        size = _batch_axis(name, shape, steps_per_call, scalars)
         if size is not None:
             sizes[name] = size
     return _shared_size(sizes)
@@ -136,6 +143,21 @@ def _check_keys(batch: Mapping[str, Any], expected: Iterable[str] | None) -> Non
             f"Batch is missing key(s) {missing}; it has {sorted(batch)}. Every "
             "batch needs the same keys."
         )
+
+
+def _member_axis(
+    name: str, shape: tuple[int, ...], members: int | None
+) -> tuple[int, ...]:
+    """``shape`` without its leading member axis (``members`` long)."""
+    if members is None:
+        return shape
+    if not shape or shape[0] != members:
+        raise BatchError(
+            f"With one batch per member every batch leaf has a leading member "
+            f"axis of {members} (the population's size); batch[{name!r}] has "
+            f"shape {list(shape)}. Stack one batch per member on axis 0."
+        )
+    return shape[1:]
 
 
 def _batch_axis(

@@ -118,7 +118,6 @@ class GrainLoader(StepLoader):
 
     Example:
       >>> from pztrain import GrainLoader
-      >>> from pztrain.data import RecordLayout
       >>> import grain, numpy as np
       >>> ds = grain.MapDataset.range(10).map(lambda i: {"x": np.float32(i)})
       >>> loader = GrainLoader(ds, batch_size=4, shuffle=False)
@@ -134,6 +133,9 @@ class GrainLoader(StepLoader):
 
       Records of fixed-shape arrays, decoded a batch at a time:
 
+      >>> from pztrain import GrainLoader
+      >>> from pztrain.data import RecordLayout
+      >>> import numpy as np
       >>> layout = RecordLayout({"x": ("float32", (2,)), "y": ("int32", ())})
       >>> records = layout.encode({"x": np.ones((8, 2)), "y": np.arange(8)})
       >>> loader = GrainLoader(records, 4, decode=layout)  # a list is a source

@@ -45,6 +45,7 @@ class StepLoader(abc.ABC):
       ...         while True:  # steps_per_call=1 only, for brevity
       ...             yield self.batch_at(step)
       ...             step += 1
+      ...
       >>> loader = Counting()
       >>> len(loader), [float(b["x"][0]) for b in loader.epoch(1)]
       (3, [3.0, 4.0, 5.0])

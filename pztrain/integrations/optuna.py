@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pztrain.callbacks import Callback
-from pztrain.callbacks._monitored import eval_owner, eval_value
+from pztrain.callbacks._monitored import check_eval_monitor, eval_value
 from pztrain.records import Stop
 
 if TYPE_CHECKING:
@@ -119,15 +119,18 @@ class OptunaPruning(Callback):
         """Whether Optuna pruned the trial during `fit`."""
         return self.pruned_step is not None
 
-    def on_train_start(self, state: TrainState, info: LoopInfo) -> None:
+    def check(self, state: TrainState, info: LoopInfo) -> None:
+        """Refuses a run that does not record the monitored eval metric."""
         if not info.evaluates:
             raise ValueError(
                 f"OptunaPruning monitors {self.monitor!r} but fit runs no "
                 "evaluation: pass eval_step and eval_data (and eval_every to "
                 "report more often than once per epoch)."
             )
+        check_eval_monitor("OptunaPruning", self.monitor, info)
+
+    def on_train_start(self, state: TrainState, info: LoopInfo) -> None:
         self._evaluations = info.evaluation_names
-        eval_owner(self.monitor, self._evaluations)  # names one of them
 
     def on_eval_end(self, state: TrainState, record: dict[str, Any]) -> Stop | None:
         found = eval_value(record, self.monitor, self._evaluations)

@@ -150,6 +150,7 @@ class PopulationPruning(Callback):
       ...     return {"step": step, "split": "eval", "metrics": {
       ...         "loss": (loss_0 + loss_1) / 2,
       ...         "loss/member_0": loss_0, "loss/member_1": loss_1}}
+      ...
       >>> pruning.on_eval_end(None, evaluated(10, 0.5, 2.0)) is None
       True
       >>> pruning.pruned_steps, [t.state.name for t in study.trials]
@@ -254,6 +255,7 @@ def ask_population(
       >>> study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
       >>> def suggest(trial):
       ...     return {"learning_rate": trial.suggest_float("lr", 1e-3, 1.0, log=True)}
+      ...
       >>> trials, hyperparams = ask_population(study, suggest, members=3)
       >>> [t.number for t in trials], len(hyperparams["learning_rate"])
       ([0, 1, 2], 3)
@@ -362,17 +364,15 @@ def optimize_population(
 ) -> list[tuple[list[Any], History]]:
     """Trains ``n_batches`` batches of ``members`` trials, each as one population.
 
-    Per batch: `ask_population`; `pztrain.make_population` (member ``i`` is
-    ``init(trials[i].number)``); `pztrain.fit` with `PopulationPruning` after
-    the callbacks given; `tell_population`. If anything fails, the batch's
-    unfinished trials are told failed first; a signal's stop ends the loop.
+    Per batch: `ask_population`, `pztrain.make_population` (member ``i`` is
+    ``init(trials[i].number)``), `pztrain.fit` (`PopulationPruning` last),
+    `tell_population`; failures tell unfinished trials failed, a stop ends all.
 
     Args:
       study: A single-objective ``optuna.Study``.
       init: ``seed -> TrainState``; its optimizer injects the hyperparameters.
       suggest: ``trial -> {name: value}`` (see `ask_population`).
-      members: Trials per batch.
-      n_batches: Batches to run.
+      members, n_batches: Trials per batch; batches to run.
       monitor: The eval metric to prune on and to tell as each trial's value.
       **fit_args: `pztrain.fit`'s arguments by name but the state, ``run_dir``,
         ``checkpoints`` and ``resume`` (which every batch would share).
@@ -381,7 +381,7 @@ def optimize_population(
       One ``(trials, history)`` per batch: ``trials[i]`` ran member ``i``.
 
     Raises:
-      ValueError: for a bad monitor, n_batches, fit argument or hyperparameter.
+      ValueError: a bad monitor, n_batches, fit argument or hyperparameter.
 
     Example:
       >>> import jax, optax, optuna, pztrain.integrations.optuna_population
@@ -389,9 +389,11 @@ def optimize_population(
       ...     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
       ...     model, key = {"w": jax.numpy.zeros(3)}, jax.random.key(seed)
       ...     return pztrain.TrainState.initial_state(model, tx, key)
+      ...
       >>> def loss_fn(*, model, state, rng, x):
       ...     loss = jax.numpy.mean((x @ model["w"] - 1.0) ** 2)
       ...     return loss, state, {"loss": loss}
+      ...
       >>> data = pztrain.ArrayLoader({"x": jax.numpy.ones((32, 3))}, 8)
       >>> study = optuna.create_study()
       >>> runs = pztrain.integrations.optuna_population.optimize_population(

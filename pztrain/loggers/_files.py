@@ -152,7 +152,8 @@ class JsonlLogger:
       media_path: Where text and images are listed (``media.jsonl`` beside the
         log, or ``<name>.media.jsonl``; `read_media` reads it).
       images_dir: Where images go as PNG files (``images``, or
-        ``<name>.images``), named ``<key>-<step>.png``.
+        ``<name>.images``), named ``<key>-<hash>-<step>.png`` (a slug of the key and a
+        hash of it: no two keys share a file).
 
     Raises:
       ValueError: if ``run_dir`` is a file of another kind (named), or the log
@@ -330,7 +331,9 @@ def read_media(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     Returns:
       One dict per value, in the order logged: ``{"step", "key", "text"}`` for
       a text, ``{"step", "key", "image"}`` for an image (``image``: the PNG
-      file's `pathlib.Path`). Empty if the run logged none.
+      file's `pathlib.Path`, as its entry names it: logs written before image
+      files had a hash in their names read as they were written). Empty if the
+      run logged none.
 
     Raises:
       FileNotFoundError: if there is no log there at all (naming the path).
@@ -345,7 +348,7 @@ def read_media(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
       >>> [(m["step"], m["key"]) for m in read_media(d)]
       [(5, 'sample'), (5, 'grey')]
       >>> read_media(d)[0]["text"], read_media(d)[1]["image"].name
-      ('The cat', 'grey-5.png')
+      ('The cat', 'grey-67fc36385b-5.png')
     """
     path = log_file(run_dir, "metrics.jsonl", "read_media")
     media_path = beside_log(path, "metrics.jsonl", "media.jsonl")

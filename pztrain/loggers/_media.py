@@ -11,6 +11,7 @@ A logger records media if it has a method ``log_media(step, media)``, where
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import numbers
 import re
@@ -20,7 +21,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Image", "Text", "file_stem", "log_media", "not_media", "split_media"]
+__all__ = [
+    "Image",
+    "Text",
+    "file_stem",
+    "key_hash",
+    "log_media",
+    "not_media",
+    "split_media",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,17 +284,36 @@ def not_media(who: str, key: str, value: Any) -> TypeError:
 
 
 _NOT_A_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
+_SLUG_CHARS = 60  # a file name stays well under the 255 bytes file systems take
 
 
 def file_stem(key: str) -> str:
-    """A media name as a file name: runs of other characters than letters,
-    digits, ``_``, ``.`` and ``-`` become ``_``.
+    """A media name as a file name that no other name gets: a readable slug
+    (runs of other characters than letters, digits, ``_``, ``.`` and ``-``
+    become ``_``; at most 60 of them) and a hash of the exact name, so names
+    that differ only in other characters (``"grid 1"``, ``"grid/1"``), in
+    non-Latin letters or in case (on a file system that ignores case) get
+    files of their own.
 
     Example:
       >>> file_stem("samples/text 1")
-      'samples_text_1'
+      'samples_text_1-510d0b2c2a'
+      >>> file_stem("samples/text_1") != file_stem("samples/text 1")
+      True
     """
-    return _NOT_A_NAME.sub("_", key).strip("_.") or "media"
+    slug = _NOT_A_NAME.sub("_", key).strip("_.")[:_SLUG_CHARS] or "media"
+    return f"{slug}-{key_hash(key)}"
+
+
+def key_hash(key: str) -> str:
+    """Ten hex digits of the SHA-256 of ``key``: what tells apart names that
+    a logger's rules for names would make one.
+
+    Example:
+      >>> key_hash("grey")
+      '67fc36385b'
+    """
+    return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
 _warned: set[type] = set()  # logger classes already warned about, in this process
@@ -306,6 +334,7 @@ def log_media(loggers: Iterable[Any], step: int, media: dict[str, Text | Image])
       >>> from pztrain.loggers import Text, log_media
       >>> class Printer:
       ...     def log_media(self, step, media): print(step, media)
+      ...
       >>> log_media([Printer()], 10, {"sample": Text("The cat")})
       10 {'sample': Text(text='The cat')}
     """

@@ -22,6 +22,11 @@ class Logger(Protocol):
     ``state.step``) records after ``step`` are another run's. Every built-in
     logger has it: a resumed run's log goes on where it stopped.
 
+    A logger may also have ``check(info)``, which `pztrain.fit` calls before
+    the run directory, a log or a checkpoint is touched, with the run's
+    `pztrain.LoopInfo` (as `pztrain.Callback.check` gets it): it refuses
+    settings that do not fit the run, and writes nothing.
+
     A logger may also have ``log_media(step, media)``: text and images (name →
     `pztrain.loggers.Text` or `pztrain.loggers.Image`) that an evaluation
     returned; `pztrain.loggers.log_media` warns once about a logger without it.
@@ -32,6 +37,7 @@ class Logger(Protocol):
       ...     def log_hparams(self, hparams): print("hparams", hparams)
       ...     def log_record(self, record): print(record["step"], record["metrics"])
       ...     def close(self): pass
+      ...
       >>> isinstance(PrintLogger(), Logger)
       True
       >>> PrintLogger().log_record({"step": 10, "metrics": {"loss": 0.5}})

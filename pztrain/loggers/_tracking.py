@@ -8,7 +8,7 @@ import re
 import time
 from typing import Any
 
-from pztrain.loggers._media import Image, Text, file_stem, not_media
+from pztrain.loggers._media import Image, Text, file_stem, key_hash, not_media
 from pztrain.loggers._protocol import flat_hparams
 from pztrain.records import THROUGHPUT_KEYS, jsonable
 
@@ -105,10 +105,11 @@ class MLflowLogger:
         self._client.log_batch(self.run_id, metrics=metrics)
 
     def log_media(self, step: int, media: dict[str, Text | Image]) -> None:
-        """Logs each text as an artifact ``media/<key>-<step>.txt``
-        (``log_text``) and each image as MLflow's image of ``key`` at ``step``
-        (``log_image``: the run's Images tab, a slider over the steps; other
-        characters than letters, digits, ``_-. /`` in the key become ``_``).
+        """Logs each text as an artifact ``media/<key>-<hash>-<step>.txt``
+        (``log_text``; a slug and a hash of the key) and each image as
+        MLflow's image of ``key`` at ``step`` (``log_image``: the run's Images
+        tab, a slider over the steps; other characters than letters, digits,
+        ``_-. /`` in the key become ``_``, and the key's hash follows them).
 
         Raises:
           TypeError: naming the key, for a value that is not `Text` or `Image`.
@@ -119,6 +120,8 @@ class MLflowLogger:
                 self._client.log_text(self.run_id, value.text, file)
             elif isinstance(value, Image):
                 name = _MLFLOW_NOT_IN_KEYS.sub("_", key)  # what MLflow takes
+                if name != key:  # another key may become this name: not its images
+                    name = f"{name}-{key_hash(key)}"
                 pixels = value.to_uint8()
                 self._client.log_image(self.run_id, pixels, key=name, step=step)
             else:

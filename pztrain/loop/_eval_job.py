@@ -7,6 +7,16 @@ manager that would clean up a save in progress), evaluates each once, in step
 order, with named `Evaluation` s, and logs each as one eval record in its own
 run directory. Its log says what is done: started again, it skips the steps
 it has logged.
+
+While it reads a checkpoint it holds a reader's mark in the directory
+(`pztrain.checkpoint._readers`), which the run's retention honours: the
+checkpoint is deleted at a later save, once read. The mark covers the read
+only (one checkpoint more than ``keep_last`` at most); a job slower than
+training goes on in step order with the checkpoints still there, and names
+each one it listed but found deleted in a warning.
+Retention deletes a checkpoint by renaming it away, then removing it, so a
+read that fails on a checkpoint that is gone was a deletion; on one that is
+still there, damage: that one raises.
 """
 
 from __future__ import annotations
@@ -21,11 +31,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from pztrain.checkpoint import CheckpointError, load_params, load_state
+from pztrain.checkpoint import load_params, load_state
 from pztrain.checkpoint._lock import lock_holder, locked
 from pztrain.checkpoint._metadata import checkpoint_steps
+from pztrain.checkpoint._readers import reading
 from pztrain.loggers import JsonlLogger, Logger, log_media
 from pztrain.loop._evaluations import Evaluation, check_evaluations, evaluation_values
+from pztrain.loop._job_directory import check_source, waiting_line
 from pztrain.loop._signals import stop_signals
 from pztrain.records import History, read_jsonl
 from pztrain.state import TrainState
@@ -48,14 +60,14 @@ def evaluate_checkpoints(
 ) -> History:
     """Evaluates each checkpoint of a run once, in step order, as it appears.
 
-    Run beside training (another process or machine), it reads checkpoints
-    without the run's lock and logs one eval record per step, named as `fit`
-    names them (``eval/<name>/<metric>``), to ``run_dir`` and ``loggers``
-    (text and images too). Run again, it skips the steps it logged. The
-    evaluations' cadences are not used; their ``ema`` is.
+    Beside training, it reads checkpoints without the run's lock and logs one
+    eval record per step (``eval/<name>/<metric>``) to ``run_dir`` and ``loggers``;
+    run again, it skips the steps it logged. It uses the evaluations' ``ema``,
+    not their cadences; a checkpoint deleted before it was read is skipped, named.
 
     Args:
-      directory: The run's `pztrain.Checkpoints` directory (it may not exist yet).
+      directory: The run's `pztrain.Checkpoints` directory (with ``follow``, it
+        may not exist yet: the job says at once that it waits for it).
       like: A state of the run's structure, as for `pztrain.load_state`.
       evaluations: The `pztrain.Evaluation` s to run on each checkpoint.
       run_dir: The job's own directory (log, lock): not ``directory``.
@@ -70,13 +82,15 @@ def evaluate_checkpoints(
       A `pztrain.History` of what it logged (``stop_reason``: a timeout).
 
     Raises:
-      ValueError, TypeError: a bad argument. TimeoutError: no checkpoint came.
+      ValueError, TypeError, FileNotFoundError: a bad argument or directory.
+      TimeoutError: no checkpoint came. CheckpointError: one is damaged.
       KeyboardInterrupt: Ctrl-C (what is logged stays; run again, it goes on).
 
     Example:
       >>> import tempfile, jax, jax.numpy as jnp, numpy as np, optax, pztrain
       >>> def loss_fn(*, model, state, rng, x):
       ...     return jnp.mean((x - model["w"]) ** 2), state, {}
+      ...
       >>> state = pztrain.TrainState.initial_state(
       ...     {"w": jnp.zeros(())}, optax.sgd(0.1), jax.random.key(0))
       >>> d, data = tempfile.mkdtemp(), pztrain.ArrayLoader({"x": np.ones(8)}, 4)
@@ -89,15 +103,17 @@ def evaluate_checkpoints(
       >>> [(r["step"], round(r["metrics"]["w/w"], 3)) for r in h.records]
       [(2, 0.36), (4, 0.59)]
     """
-    directory, run_dir = _check_job(directory, like, run_dir, poll, timeout)
+    directory, run_dir = _check_job(directory, like, run_dir, follow, poll, timeout)
+    job = (directory, like, evaluations, run_dir, loggers)
+    return _run(*job, follow=follow, timeout=timeout, poll=poll, priority=priority)
+
+
+def _run(directory, like, evaluations, run_dir, loggers, *, priority, **waits):
+    """The job, on checked arguments: its priority, log and lock, then
+    `_follow` (``waits``: ``follow``, ``timeout``, ``poll``)."""
     evaluations = check_evaluations(list(evaluations), None, like, 1)
     if priority is not None:
         lower_priority(priority)
-    return _run(directory, like, evaluations, run_dir, loggers, follow, timeout, poll)
-
-
-def _run(directory, like, evaluations, run_dir, loggers, follow, timeout, poll):
-    """The job, on checked arguments: its log and lock, then `_follow`."""
     history = History()
     with locked(run_dir), stop_signals() as flag:
         done = _logged_steps(run_dir)
@@ -105,7 +121,7 @@ def _run(directory, like, evaluations, run_dir, loggers, follow, timeout, poll):
         outputs = [log, *loggers]
         job = _Job(directory, like, evaluations, outputs, history, flag, done)
         try:
-            history.stop_reason = _follow(job, follow, timeout, poll)
+            history.stop_reason = _follow(job, **waits)
         finally:
             for lg in outputs:
                 lg.close()
@@ -119,25 +135,23 @@ class _Job:
         self.directory, self.like, self.evaluations = directory, like, evaluations
         self.loggers, self.history, self.flag = loggers, history, flag
         self.done = set(done)
+        self.skipped: list[int] = []  # deleted by the run before they were read
+        self.seen = False  # whether the directory has held a checkpoint
+        self.marks = True  # whether it can leave reader's marks there
         self.started = time.time()
         self.params_only = params_suffice(like, evaluations)
 
     def new_steps(self) -> list[int]:
         """The complete checkpoints not yet evaluated, in step order."""
-        return [s for s in checkpoint_steps(self.directory) if s not in self.done]
+        steps = checkpoint_steps(self.directory)
+        self.seen = self.seen or bool(steps)
+        return [s for s in steps if s not in self.done and s not in self.skipped]
 
     def evaluate(self, step: int) -> bool:
-        """Evaluates and logs checkpoint ``step``; ``False`` if it is gone
-        or incomplete (deleted by the run's retention while read: skipped)."""
-        path = self.directory / str(step)
-        try:
-            state = self.read(path, step)
-        except (CheckpointError, FileNotFoundError) as e:
-            if path.exists():
-                raise
-            warnings.warn(
-                f"evaluate_checkpoints: skipped step {step}: {e}", stacklevel=3
-            )
+        """Evaluates and logs checkpoint ``step``; ``False`` if the run
+        deleted it before it could be read (skipped, with a warning)."""
+        state = self.read_marked(step)
+        if state is None:
             return False
         metrics, media = {}, {}
         for ev in self.evaluations:
@@ -151,6 +165,29 @@ class _Job:
             media.update({f"eval/{prefix}{k}": v for k, v in values[1].items()})
         self._log(step, metrics, media)
         return True
+
+    def read_marked(self, step: int) -> TrainState | None:
+        """Checkpoint ``step``, read under a reader's mark (the run's
+        retention keeps it until the read is over); ``None`` if the run
+        deleted it first (a warning names it; retention deletes a checkpoint
+        by renaming it away whole, so a failed read of a checkpoint that is
+        gone is a deletion, and of one that is still there, damage).
+
+        Raises:
+          CheckpointError: checkpoint ``step`` is still there and unreadable.
+        """
+        path = self.directory / str(step)
+        mark = reading(self.directory, step) if self.marks else _unmarked()
+        try:
+            with mark as self.marks:  # a directory it cannot write: warned once
+                return self.read(path, step)
+        except Exception as e:
+            if path.exists():
+                e.add_note(_damaged(path, step))
+                raise
+            self.skipped.append(step)
+            warnings.warn(_deleted(path, step), stacklevel=4)
+        return None
 
     def read(self, path: Path, step: int) -> TrainState:
         """Checkpoint ``step``: its params alone when they suffice (a fifth
@@ -191,8 +228,9 @@ def params_suffice(like: TrainState, evaluations: Sequence[Evaluation]) -> bool:
 
 
 def _follow(job: _Job, follow: bool, timeout: float, poll: float) -> str | None:
-    """Evaluates new checkpoints until the run ends (its lock is gone and no
-    new checkpoint is left) or none comes for ``timeout`` seconds."""
+    """Evaluates new checkpoints until the run ends (its lock is gone, the
+    directory has held checkpoints and no new one is left) or none comes for
+    ``timeout`` seconds."""
     waited_since, said = time.monotonic(), False
     while True:
         steps = job.new_steps()
@@ -202,14 +240,16 @@ def _follow(job: _Job, follow: bool, timeout: float, poll: float) -> str | None:
             waited_since = time.monotonic()
             continue  # more may have come while evaluating
         running = lock_holder(job.directory) is not None
-        if not follow or (not running and job.directory.exists()):
+        if not follow or (not running and job.seen):
             if job.new_steps():
                 continue  # saved just before the run ended
             return None
         if time.monotonic() - waited_since > timeout:
             return _timed_out(job, timeout)
+        if not job.seen:  # a run directory shows itself at its first save
+            check_source(job.directory, follow=True)
         if not said and jax.process_index() == 0:
-            print(f"evaluate_checkpoints: waiting for checkpoints in {job.directory}")
+            print(waiting_line(job.directory, timeout), flush=True)
             said = True
         time.sleep(poll)
         if job.flag.requested:
@@ -239,12 +279,36 @@ def _timed_out(job: _Job, timeout: float) -> str:
     """The stop reason after ``timeout`` seconds with no new checkpoint; an
     error if the job never saw one."""
     if not job.done:
+        gone = "" if job.directory.exists() else " (it does not exist)"
         raise TimeoutError(
-            f"evaluate_checkpoints: no checkpoint appeared in {job.directory} within "
-            f"{timeout:g} s. Is it the training run's Checkpoints directory? Pass "
-            "a longer timeout= to wait longer."
+            f"evaluate_checkpoints: no checkpoint appeared in {job.directory}{gone} "
+            f"within {timeout:g} s. Is it the training run's Checkpoints directory? "
+            "Pass a longer timeout= to wait longer."
         )
     return f"no new checkpoint within {timeout:g} s"
+
+
+@contextlib.contextmanager
+def _unmarked():
+    yield False
+
+
+def _deleted(path: Path, step: int) -> str:
+    return (
+        f"evaluate_checkpoints: skipped checkpoint {step} ({path}): the training "
+        "run deleted it (its Checkpoints' keep_last / keep_best) before this job "
+        "could read it. To evaluate every checkpoint, keep more: keep_last of at "
+        "least 1 + the job's time per checkpoint / the time between saves."
+    )
+
+
+def _damaged(path: Path, step: int) -> str:
+    return (
+        f"evaluate_checkpoints: checkpoint {step} is still in {path.parent}, so "
+        "the run did not delete it: it is damaged. Move it out of the directory "
+        f"(e.g. rename it {step}.unreadable) and start the job again with the same "
+        "run_dir: it goes on after the steps it logged."
+    )
 
 
 def _interrupted(step: int) -> str:
@@ -261,7 +325,7 @@ def _logged_steps(run_dir: Path) -> list[int]:
     return sorted({r["step"] for r in read_jsonl(run_dir) if r.get("split") == "eval"})
 
 
-def _check_job(directory, like, run_dir, poll, timeout) -> tuple[Path, Path]:
+def _check_job(directory, like, run_dir, follow, poll, timeout) -> tuple[Path, Path]:
     check_state(like, "evaluate_checkpoints(directory, like, ...)")
     directory, run_dir = Path(directory).absolute(), Path(run_dir).absolute()
     if run_dir == directory:
@@ -280,4 +344,5 @@ def _check_job(directory, like, run_dir, poll, timeout) -> tuple[Path, Path]:
             raise ValueError(
                 f"evaluate_checkpoints: {name} must be >= 0; got {value!r}."
             )
+    check_source(directory, follow)
     return directory, run_dir

@@ -60,11 +60,11 @@ def evaluate(
         `pztrain.fit` for signals).
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, pztrain
       >>> from pztrain import evaluate, TrainState
-      >>> import numpy as np, optax, pztrain
       >>> def eval_fn(*, model, state, rng, x):
       ...     return {"mean": jnp.mean(x * model["w"])}
+      ...
       >>> state = TrainState.initial_state({"w": jnp.array(2.0)}, optax.sgd(0.1),
       ...                                  jax.random.key(0))
       >>> data = pztrain.ArrayLoader({"x": np.arange(10.0)}, batch_size=4,
@@ -95,10 +95,11 @@ def evaluate_until(
     run = _on_weights(state, eval_step, ema)
     data = as_fit_data(data, "data", train=False)
     sums = EvalSums(member_count(state.root_rng))
+    per_member = sums.members if getattr(eval_step, "member_batches", 0) else None
     for batch in eval_batches(data):  # every example once; on a mesh, placed
         if flag.requested:
             return None
-        n = check_batch(batch)  # examples of the (global) batch
+        n = check_batch(batch, members=per_member)  # a member's (global) batch
         values = run(batch)
         sums = sums.add(values, n)  # metric states merged, the rest weighted by n
     if sums.total == 0:

@@ -60,7 +60,11 @@ class Evaluation:
       every: Steps between runs (a multiple of ``steps_per_call``).
       every_epochs: Epoch ends between runs. With neither, it runs at each
         epoch end (or at the end only, when the data has no epochs).
-      at_end: Also run at the run's end (unless it just ran there).
+      at_end: Also run at the run's last step (unless it just ran there),
+        whatever ended the run: its schedule, `pztrain.EarlyStopping`, a
+        `pztrain.NanPolicy` stop or any `pztrain.Stop` a hook returns. A
+        signal before the end leaves it to the resumed run's end; an
+        exception is an error, not a stop: nothing runs after it.
       ema: As `pztrain.evaluate`'s: ``False``, ``True`` (the EMA params) or
         ``"both"``; a function is then given `TrainState.using_ema` 's state.
 
@@ -71,6 +75,7 @@ class Evaluation:
       >>> import numpy as np, pztrain
       >>> def eval_fn(*, model, state, rng, x):
       ...     return {"mean": (x * model["w"]).mean()}
+      ...
       >>> val = pztrain.Evaluation("val", pztrain.build_eval_step(eval_fn),
       ...                          [{"x": np.ones(4)}], every=100)
       >>> norm = pztrain.Evaluation("norm", lambda state: {"w": state.params["w"]},

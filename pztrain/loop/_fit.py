@@ -28,6 +28,7 @@ from pztrain.loggers import JsonlLogger, Logger
 from pztrain.loop._arguments import FitArguments
 from pztrain.loop._evaluations import EvalRunner, Evaluation, cadence_of
 from pztrain.loop._hooks import Hooks, RecordLog, host_reads
+from pztrain.loop._plan import check_run, loop_info, progress_bar
 from pztrain.loop._reporting import Reporter
 from pztrain.loop._resources import check_memory, peak_flops, step_devices
 from pztrain.loop._schedule import Schedule, run_end
@@ -97,28 +98,33 @@ def fit(
       (``stop_reason``: "interrupted", "preempted"); errors keep ``err.train_state``.
 
     Raises:
-      TypeError, ValueError: A bad argument or option (named in the message).
+      TypeError, ValueError: A bad argument, first batch or hook check; disk untouched.
       DirectoryInUseError: Another run holds ``checkpoints`` or ``run_dir``.
     """
     return _fit(state, FitArguments(**locals()))  # FitArguments checks them all
 
 
 def _fit(state: TrainState, args: FitArguments) -> tuple[TrainState, History]:
-    """`fit` on checked arguments: the run's signal handlers, the run
-    directory's lock (`Checkpoints.prepare` takes its own), then checkpoints
+    """`fit` on checked arguments: the run's signal handlers; the run checked
+    before anything is written (its first batches traced, every hook's
+    ``check``: a signal meanwhile stops it before its first call); the run
+    directory's lock (`Checkpoints.prepare` takes its own), checkpoints
     prepared, the run wired and trained."""
     checkpoints, trained = args.checkpoints, None
     try:
-        with (
-            stop_signals(args.preempt_on) as flag,
-            locked(_own_run_dir(args)),
-            checkpoints if checkpoints is not None else contextlib.nullcontext(),
-        ):
-            if checkpoints is not None:
-                state = checkpoints.prepare(state, args.callbacks, resume=args.resume)
-            run = _Run.wire(args, _schedule(state, args), flag)
-            trained = _train(state, run)
-            return trained, run.history
+        with stop_signals(args.preempt_on) as flag:
+            metrics = check_run(state, args, _schedule(state, args, warn=False))
+            with (
+                locked(_own_run_dir(args)),
+                checkpoints if checkpoints is not None else contextlib.nullcontext(),
+            ):
+                if checkpoints is not None:
+                    state = checkpoints.prepare(
+                        state, args.callbacks, resume=args.resume
+                    )
+                run = _Run.wire(args, _schedule(state, args), flag, metrics)
+                trained = _train(state, run)
+                return trained, run.history
     except BaseException as e:  # e.g. a late signal's KeyboardInterrupt
         if trained is not None:
             keep_state(e, trained)
@@ -144,8 +150,11 @@ class _Run:
     owed_eval: tuple | None  # (step, epoch[, names]) a stop left unevaluated
 
     @classmethod
-    def wire(cls, args: FitArguments, schedule: Schedule, stops: StopFlag) -> _Run:
-        """The pieces of a run from ``schedule.start`` (after a resume)."""
+    def wire(
+        cls, args: FitArguments, schedule: Schedule, stops: StopFlag, metrics: dict
+    ) -> _Run:
+        """The pieces of a run from ``schedule.start`` (after a resume);
+        ``metrics``: the names its evaluations record (`check_run`)."""
         loggers, bar = _outputs(args, schedule.start)
         history = History()
         ckpts = [] if args.checkpoints is None else [args.checkpoints]
@@ -157,7 +166,7 @@ class _Run:
             source=_source(args, schedule),
             schedule=schedule,
             hooks=hooks,
-            info=_info(args, schedule),
+            info=loop_info(args, schedule, metrics),
             history=history,
             reporter=reporter,
             evals=EvalRunner(args.evaluations, schedule, reporter, stops),
@@ -187,7 +196,9 @@ class _Run:
 
 def _train(state: TrainState, run: _Run) -> TrainState:
     """The loop: stretches of steps, each ended by a host point. A stop by a
-    signal ends it like a `Stop`, then saves; an error keeps the newest state."""
+    signal ends it like a `Stop`, then saves; an error keeps the newest state.
+    The ``at_end`` evaluations run at the last step whatever ended the run,
+    except a signal before the end (the resumed run's end runs them)."""
     s, hooks, reporter, flag = run.schedule, run.hooks, run.reporter, run.stops
     step, epoch, sums, stop = s.start, s.epoch_at(s.start), None, None
     last_log = step
@@ -221,8 +232,7 @@ def _train(state: TrainState, run: _Run) -> TrainState:
         if last_log != step:  # a stretch cut short by a stop, or the end
             state, stop = _first(stop, *reporter.log(state, sums, step, epoch))
         state, stop = _first(stop, *reporter.flush(state))
-        at_end = stop is None or (flag.stopped and s.done(step, epoch))
-        if at_end:
+        if not flag.stopped or s.done(step, epoch):  # a signal: the resumed run's
             state, stop = _first(stop, *run.evals.at_end(state, step, epoch))
         stop = stop or _signalled(flag)
         if flag.stopped:
@@ -247,7 +257,7 @@ def _stretch(run: _Run, state, sums, step: int, stop_at: float):
             return
         if sums is None:
             sums = run.train_step.metric_sums(state, batch)
-            run.reporter.note_batch(batch, k)
+            run.reporter.note_batch(batch, k, run.train_step.member_batches)
             _note_cost(run, state, batch)
         if calls == 1:
             state, sums = run.train_step.accumulate(state, sums, batch)
@@ -310,9 +320,9 @@ def _stop_reason(stop: Stop | None, source: BatchSource) -> str | None:
 # wiring
 
 
-def _schedule(state: TrainState, args: FitArguments) -> Schedule:
+def _schedule(state: TrainState, args: FitArguments, warn: bool = True) -> Schedule:
     """The run's `Schedule` from the state's step; warns if it has nothing to
-    do (unless resuming: a finished run resumed is done, nothing to warn of)."""
+    do (if ``warn``, unless resuming: a finished run resumed is done)."""
     with host_reads():
         start = int(state.step)
     k, per_epoch = args.train_step.steps_per_call, _epoch_length(args.train_data)
@@ -323,7 +333,7 @@ def _schedule(state: TrainState, args: FitArguments) -> Schedule:
         num_epochs=args.num_epochs, cadences=cadences,
     )  # fmt: skip
     idle = schedule.nothing_left()
-    if idle is not None and not args.resume:
+    if idle is not None and warn and not args.resume:
         warnings.warn(f"fit: {idle}.", UserWarning, stacklevel=4)
     return schedule
 
@@ -372,7 +382,7 @@ def _outputs(args: FitArguments, start: int) -> tuple[list[Logger], list]:
             with contextlib.suppress(Exception):  # the refusal matters more
                 lg.close()
         raise
-    return loggers, _progress_bar(args.progress, args.callbacks)
+    return loggers, progress_bar(args.progress, args.callbacks)
 
 
 def _default_loggers(run_dir, start: int, resumed: bool, given) -> list[Logger]:
@@ -405,31 +415,3 @@ def _epoch_length(train_data: Any) -> int | None:
     if isinstance(train_data, StepLoader):
         return train_data.steps_per_epoch
     return None
-
-
-def _progress_bar(progress: bool | Callback, callbacks: list[Callback]) -> list:
-    """The bar that runs first: ``progress`` itself, a new `ProgressBar`, or none
-    (``progress=False``, or a `ProgressBar` already among the callbacks)."""
-    if isinstance(progress, Callback):
-        return [progress]
-    if not progress or any(isinstance(cb, ProgressBar) for cb in callbacks):
-        return []
-    return [ProgressBar()]
-
-
-def _info(args: FitArguments, schedule: Schedule) -> LoopInfo:
-    return LoopInfo(
-        start_step=schedule.start,
-        end_step=schedule.end_step,
-        steps_per_epoch=schedule.steps_per_epoch,
-        steps_per_call=schedule.steps_per_call,
-        log_every=schedule.log_every,
-        evaluates=schedule.evaluates,
-        run_dir=None if args.run_dir is None else str(args.run_dir),
-        hparams=dict(args.hparams or {}),
-        callbacks=tuple(args.callbacks),
-        train_step=args.train_step,
-        train_data=args.train_data,
-        checkpoints=args.checkpoints,
-        evaluations=tuple(ev.name for ev in args.evaluations),
-    )

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pztrain._members import spread
+from pztrain._members import member_count, spread
 from pztrain.checkpoint import Checkpoints
 from pztrain.loop._hooks import Hooks, host_reads
 from pztrain.metrics import MetricSums
@@ -76,6 +76,7 @@ class Reporter:
         self._t0 = clock()
         self._elapsed = _resumed_time(hooks)
         self._logs_lr = _has_injected_lr(state)
+        self._members = member_count(state.root_rng)
         self._pending: _LogPoint | None = None
         self._last = (start, self._t0)  # the last log point's step and time
         self.batch_size: int | None = None
@@ -83,14 +84,18 @@ class Reporter:
         self.peak_flops: float | None = None  # all devices together, per second
         self.owed: tuple | None = None  # see evaluation
 
-    def note_batch(self, batch: Any, steps_per_call: int) -> None:
-        """Takes the batch size (examples per step) from a batch's shapes (no
-        device read); `examples_per_sec` assumes every batch has it."""
+    def note_batch(
+        self, batch: Any, steps_per_call: int, member_batches: bool = False
+    ) -> None:
+        """Takes the batch size (examples per step; a population's member's,
+        after the member axis, with one batch per member) from a batch's
+        shapes (no device read); `examples_per_sec` assumes every batch has it."""
         size = getattr(batch, "batch_size", None)  # an on-device epoch
         if size is None:
             leaves = jax.tree.leaves(batch)
             shape = getattr(leaves[0], "shape", ()) if leaves else ()
             axis = 1 if steps_per_call > 1 else 0
+            axis += int(member_batches and self._members is not None)
             size = shape[axis] if len(shape) > axis else None
         self.batch_size = None if size is None else int(size)
 
@@ -159,6 +164,8 @@ class Reporter:
         if summary.nonfinite:
             record["nonfinite_steps"] = summary.nonfinite
             record["first_nonfinite_step"] = summary.first_nonfinite_step
+        if summary.nonfinite_members:  # a population's, by index
+            record["nonfinite_members"] = list(summary.nonfinite_members)
         return self.hooks.run("on_log", state, record)
 
     def _throughput(self, point: _LogPoint) -> dict[str, float]:

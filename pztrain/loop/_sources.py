@@ -26,6 +26,7 @@ from pztrain.data import ArrayLoader, StepLoader, prefetch_to_device, put_batch
 from pztrain.data._batch import BatchError, check_batch, stack_batches
 from pztrain.data._sequential import SequentialData
 from pztrain.loop._data_order import DataOrder
+from pztrain.step._notes import refuse_text
 
 __all__ = [
     "BatchSource",
@@ -237,8 +238,14 @@ def _groups(source: Iterator[Any], k: int) -> Iterator[Any]:
 
 
 def _put_first(item: tuple, sharding: Any) -> tuple:
-    """``item`` with its batch (first) on the devices of ``sharding``."""
-    return put_batch(item[0], sharding), *item[1:]
+    """``item`` with its batch (first) on the devices of ``sharding`` (text,
+    which no device takes, refused as the step refuses it: the same error in
+    and out of `pztrain.fit`, whichever thread moves the batch)."""
+    try:
+        return put_batch(item[0], sharding), *item[1:]
+    except Exception as err:
+        refuse_text(item[0], "train_step(state, ...)", err)
+        raise
 
 
 class IteratorState(Callback):

@@ -53,7 +53,9 @@ def stop_line(flag: StopFlag, step: int, saved: Path | None) -> str:
     It names the call that goes on: ``fit(state, ...)`` from the returned
     state, or, once a checkpoint of that step is saved, ``fit(...,
     resume=True)`` (in this process or a new one; a run with checkpoints
-    refuses to start without it in a directory that holds some).
+    refuses to start without it in a directory that holds some). With several
+    processes, a SIGTERM goes to JAX's preemption service, which stops them all
+    and names no process: the line says so.
 
     Example:
       >>> from pztrain.loop._signals import LocalFlag
@@ -67,7 +69,9 @@ step's: fit(state, ...) goes on from there.
       pztrain.fit: interrupted (SIGINT) at step 37. Checkpoint saved: ckpt/37. \
 fit(..., resume=True) goes on from there.
     """
-    how = flag.signal_name or "another process got the signal"
+    # No name: JAX's preemption notice stopped every process, and it does not
+    # say which got the SIGTERM (it holds that signal: pztrain's handler saw none).
+    how = flag.signal_name or "SIGTERM to this process or another, through JAX"
     head = f"pztrain.fit: {flag.reason} ({how}) at step {step}."
     if saved is None:
         return (

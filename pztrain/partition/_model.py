@@ -251,6 +251,7 @@ def annotated_specs(rest: Any) -> dict[str, Any]:
       >>> init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
       >>> with jax.set_mesh(jax.make_mesh((1,), ("model",))):
       ...     linear = nnx.Linear(2, 4, kernel_init=init, rngs=nnx.Rngs(0))
+      ...
       >>> annotated_specs(split(linear)[1])
       {'kernel': P(None, 'model')}
     """

@@ -31,6 +31,7 @@ class DonatedStateError(RuntimeError):
       >>> from pztrain import TrainState, build_train_step
       >>> def loss_fn(*, model, state, rng):
       ...     return jnp.sum(model["w"] ** 2), state, {}
+      ...
       >>> state = TrainState.initial_state({"w": jnp.ones(2)}, optax.sgd(0.1),
       ...                                  jax.random.key(0))
       >>> new_state, aux = build_train_step(loss_fn)(state)  # consumes state
@@ -38,6 +39,7 @@ class DonatedStateError(RuntimeError):
       ...     state.summary()
       ... except DonatedStateError as e:
       ...     print(e)  # doctest: +ELLIPSIS
+      ...
       state.summary(): the params of this TrainState were donated to a train step...
       >>> int(new_state.step)  # the state the step returned is the one to use
       1

@@ -62,11 +62,14 @@ def owned_copy(tree: Any, avoid: set[int], always: bool = False) -> Any:
 
 def placed_like(tree: Any, like: Any) -> Any:
     """``tree``'s arrays placed as those of ``like`` (same structure) are: a
-    value set on a state on a mesh keeps the sharding of the one it replaces."""
+    value set on a state on a mesh keeps the sharding of the one it replaces,
+    and one set on a state committed to its device is committed too (a train
+    step compiles again for arrays placed otherwise)."""
 
     def place(x, old):
         if _concrete(x) and _concrete(old):  # a tracer has no placement
-            if x.sharding != old.sharding:
+            # committed as the old one was too: another placement, another compile
+            if x.sharding != old.sharding or old.committed > x.committed:
                 return jax.device_put(x, old.sharding)
         return x
 

@@ -64,11 +64,13 @@ def build_train_step(
       >>> import jax, jax.numpy as jnp, optax
       >>> def loss_fn(*, model, state, rng, x, y):
       ...     return jnp.mean((x * model["w"] - y) ** 2), state, {}
+      ...
       >>> state = TrainState.initial_state({"w": jnp.array(0.0)}, optax.sgd(0.1),
       ...                                  jax.random.key(0))
       >>> train_step, x = build_train_step(loss_fn), jnp.ones(4)
       >>> for _ in range(50):
       ...     state, aux = train_step(state, x=x, y=2 * x)
+      ...
       >>> round(float(state.params["w"]), 3)
       2.0
     """

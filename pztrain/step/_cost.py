@@ -66,6 +66,7 @@ class StepCost(NamedTuple):
       >>> from pztrain import TrainState, build_train_step
       >>> def loss_fn(*, model, state, rng, x):
       ...     return jnp.mean(x @ model["w"]), state, {}
+      ...
       >>> state = TrainState.initial_state({"w": jnp.ones((64, 32))},
       ...                                  optax.sgd(0.1), jax.random.key(0))
       >>> cost = build_train_step(loss_fn).cost(state, x=jnp.ones((16, 64)))

@@ -31,6 +31,7 @@ class EvalFunction(Protocol):
       >>> def eval_fn(*, model, state, rng, x, y):  # an EvalFunction
       ...     err = x * model["w"] - y
       ...     return {"mse": jnp.mean(err**2), "max_err": jnp.max(jnp.abs(err))}
+      ...
       >>> state = TrainState.initial_state({"w": jnp.array(2.0)}, optax.sgd(0.1),
       ...                                  jax.random.key(0))
       >>> m = build_eval_step(eval_fn)(state, x=jnp.ones(2), y=jnp.array([1.0, 4.0]))
@@ -65,6 +66,7 @@ class EvalStep:
       >>> import jax.numpy as jnp, optax
       >>> def eval_fn(*, model, state, rng, x):
       ...     return {"mean": jnp.mean(x * model["w"]), "draw": jax.random.uniform(rng)}
+      ...
       >>> state = TrainState.initial_state({"w": jnp.array(2.0)}, optax.sgd(0.1),
       ...                                  jax.random.key(0))
       >>> eval_step = build_eval_step(eval_fn)
@@ -121,6 +123,37 @@ class EvalStep:
             note_inputs(err, state.params, batch, "eval_step(state, ...)")
             raise
 
+    def output_shapes(self, state: TrainState, batch: dict[str, Any]) -> Any:
+        """The shapes and dtypes of the metrics on a batch like ``batch``
+        (``jax.ShapeDtypeStruct`` s), traced (``jax.eval_shape``): nothing runs.
+
+        An error of the eval function carries the note a call's does.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax
+          >>> from pztrain import build_eval_step, TrainState
+          >>> def eval_fn(*, model, state, rng, x):
+          ...     return {"mean": jnp.mean(x * model["w"])}
+          >>> state = TrainState.initial_state({"w": jnp.array(2.0)}, optax.sgd(0.1),
+          ...                                  jax.random.key(0))
+          >>> build_eval_step(eval_fn).output_shapes(state, {"x": jnp.ones(3)})
+          {'mean': ShapeDtypeStruct(shape=(), dtype=float32)}
+        """
+        check_state(state, "eval_step(state, ...)")
+        if self.ema:
+            state = state.using_ema()
+        mesh = mesh_of(state.params)
+        found = self._programs.lookup(state.model_without_params, mesh, state.root_rng)
+        program = found.program  # on a mesh, an OnMesh: its own eval_shape
+        shapes = getattr(program, "eval_shape", None) or (
+            lambda *args: jax.eval_shape(program, *args)
+        )
+        try:
+            return shapes(*args_of(state, found, batch, opt_state=False))
+        except Exception as err:
+            note_inputs(err, state.params, batch, "eval_step(state, ...)")
+            raise
+
 
 def build_eval_step(
     eval_fn: EvalFunction,
@@ -153,6 +186,7 @@ def build_eval_step(
       >>> import jax, jax.numpy as jnp, optax
       >>> def eval_fn(*, model, state, rng, x):
       ...     return {"mean": jnp.mean(x * model["w"])}
+      ...
       >>> state = TrainState.initial_state({"w": jnp.array(2.0)}, optax.sgd(0.1),
       ...                                  jax.random.key(0))
       >>> float(build_eval_step(eval_fn)(state, x=jnp.ones(3))["mean"])

@@ -82,13 +82,18 @@ def check_counter(members: int | None, step: Any) -> None:
 
 
 def placed_as_members(sums: MetricSums, root_rng: Any) -> MetricSums:
-    """A population's sums (a row per member) split over the devices as its
-    members are (`pztrain.population.shard_members`), so that the step maps
-    over arrays placed alike."""
+    """Sums placed as the state whose root key is ``root_rng`` is, so that
+    every call of the step sees its inputs placed alike (a new placement is a
+    new compilation): a population's rows split over the devices as its
+    members are (`pztrain.population.shard_members`); on the state's device
+    if the state is committed to one (restored, or put there); else as made."""
     sharding = getattr(root_rng, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or not sharding.spec:
+    if isinstance(sharding, NamedSharding) and sharding.spec:
+        rows = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0]))
+    elif getattr(root_rng, "committed", False) and sharding.is_fully_addressable:
+        rows = sharding  # (across processes, the step places them itself)
+    else:
         return sums
-    rows = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0]))
     states = jax.device_put(sums.states, rows)  # metric states: a row per member
     return MetricSums(sums.names, jax.device_put(sums.packed, rows), states)
 

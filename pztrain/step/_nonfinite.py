@@ -50,6 +50,7 @@ class NonFinite:
       >>> import optax, pztrain
       >>> def loss_fn(*, model, state, rng):  # finite at 0, its gradient is not
       ...     return jnp.sum(jnp.sqrt(model["w"])), state, {}
+      ...
       >>> state = pztrain.TrainState.initial_state(
       ...     {"w": jnp.zeros(2)}, optax.sgd(0.1), jax.random.key(0))
       >>> found = find_nonfinite(pztrain.build_train_step(loss_fn), state)
@@ -130,6 +131,7 @@ def find_nonfinite(
       >>> def loss_fn(*, model, state, rng, x):
       ...     loss = jnp.sum(jnp.exp(x * model["scale"])) + jnp.sum(model["w"] ** 2)
       ...     return loss, state, {}
+      ...
       >>> state = pztrain.TrainState.initial_state(
       ...     {"scale": jnp.ones(2), "w": jnp.ones(2)}, optax.sgd(0.1),
       ...     jax.random.key(0))
@@ -279,6 +281,7 @@ def explain_in_run(info: Any, state: Any, first: int) -> str:
       >>> import optax, pztrain
       >>> def loss_fn(*, model, state, rng, x):
       ...     return jnp.mean(jnp.exp(x * model["w"])), state, {}
+      ...
       >>> data = pztrain.ArrayLoader({"x": np.array([1, 1, 1e3, 1], np.float32)},
       ...                            batch_size=1, shuffle=False)
       >>> state = pztrain.TrainState.initial_state(
@@ -357,6 +360,7 @@ def replay_to_first(train_step: Any, state: Any, data: Any, last: int) -> tuple:
       >>> import optax, pztrain
       >>> def loss_fn(*, model, state, rng, x):
       ...     return jnp.mean(jnp.exp(x * model["w"])), state, {}
+      ...
       >>> data = pztrain.ArrayLoader({"x": np.array([1, 1, 1e3, 1], np.float32)},
       ...                            batch_size=1, shuffle=False)
       >>> state = pztrain.TrainState.initial_state(

@@ -42,6 +42,9 @@ def _lines(title: str, entries: list[tuple[str, Any]], most: int) -> list[str]:
 def inputs_note(params: Any, batch: Any, where: str) -> str:
     """The note: at most 15 lines (5 batch entries, 5 params, then a count).
 
+    Batches on device (`pztrain.data.IndexedBatches`, as `pztrain.fit` feeds
+    on-device and grain data) are listed by one step's batch, as a dict's.
+
     Example:
       >>> import numpy as np
       >>> print(inputs_note({"w": np.zeros((4, 1), np.float32)},
@@ -54,6 +57,8 @@ def inputs_note(params: Any, batch: Any, where: str) -> str:
         params (1):
           w: float32[4, 1]
     """
+    if not isinstance(batch, Mapping) and hasattr(batch, "batch_shapes"):
+        batch = batch.batch_shapes()  # batches on device: a step's, as one dict
     if isinstance(batch, Mapping):
         batch_entries = [(str(k), v) for k, v in batch.items()]
         batch_lines = _lines("batch", batch_entries, _BATCH_LINES)

@@ -97,6 +97,7 @@ class TrainStep:
       >>> def loss_fn(*, model, state, rng, x):
       ...     loss = jnp.mean((x @ model["w"] - 1.0) ** 2)
       ...     return loss, state, {"loss": loss}
+      ...
       >>> s = pztrain.TrainState.initial_state(
       ...     {"w": jnp.zeros(2)}, optax.sgd(0.1), jax.random.key(0))
       >>> train_step = pztrain.build_train_step(loss_fn)
@@ -331,9 +332,11 @@ class TrainStep:
         """Zero sums for the metrics this step produces on a batch like ``batch``.
 
         The metric names come from tracing the loss function once, forward only
-        (``jax.eval_shape``); nothing runs on the device.
+        (``jax.eval_shape``); nothing runs on the device. An error of the loss
+        function carries the note a call's would (the batch's and params'
+        shapes), so `pztrain.fit`'s first batch fails as a call does.
         """
-        batch = one_batch(batch, arrays)
+        given = batch = one_batch(batch, arrays)
         if not isinstance(batch, Mapping):
             batch = batch.batch_shapes()
         elif self.steps_per_call > 1:  # the metrics of one step, from one slice
@@ -350,12 +353,16 @@ class TrainStep:
         key = _shapes_key((carry, inputs))
         members = found.static.members
         if key not in names:
-            aux = found.program.aux_shape(carry, inputs)
+            try:
+                aux = found.program.aux_shape(carry, inputs)
+            except Exception as err:
+                note_inputs(err, state.params, given, "train_step(state, ...)")
+                raise
             scalars = tuple(metric_names(one_member(aux, members)))
             names[key] = (scalars, metric_state_shapes(aux))
         scalars, states = names[key]
         sums = MetricSums.zeros(scalars, members, states)
-        return sums if members is None else placed_as_members(sums, state.root_rng)
+        return placed_as_members(sums, state.root_rng)
 
     def compute_grads(self, state: TrainState, **batch: Any) -> StepOutputs:
         """Loss, new loss-function state, aux and grads for one batch; no update.
@@ -399,6 +406,7 @@ class TrainStep:
           >>> def loss_fn(*, model, state, rng, x):
           ...     loss = jnp.mean(x @ model["w"])
           ...     return loss, state, {}
+          ...
           >>> state = TrainState.initial_state({"w": jnp.ones((4, 2))},
           ...                                  optax.sgd(0.1), jax.random.key(0))
           >>> cost = build_train_step(loss_fn).cost(state, x=jnp.ones((8, 4)))

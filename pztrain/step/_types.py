@@ -32,6 +32,7 @@ class LossFunction(Protocol):
       >>> import jax, jax.numpy as jnp
       >>> def loss_fn(*, model, state, rng, x):  # state: a count of calls
       ...     return jnp.mean((x - model["w"]) ** 2), state + 1, {"w": model["w"]}
+      ...
       >>> loss_fn(model={"w": 1.0}, state=0, rng=jax.random.key(0), x=jnp.ones(3))
       (Array(0., dtype=float32), 1, {'w': 1.0})
     """
@@ -67,6 +68,7 @@ class OnDeviceBatches(Protocol):
       ...     xs: jax.Array
       ...     def take(self, step, count=1): return {"x": self.xs[step % 3]}
       ...     def batch_shapes(self): return {"x": jax.ShapeDtypeStruct((2,), "f4")}
+      ...
       >>> jax.jit(Cycle.take)(Cycle(jnp.arange(6.0).reshape(3, 2)), 4)["x"]  # step 4
       Array([2., 3.], dtype=float32)
     """
@@ -188,6 +190,7 @@ class StepOutputs(NamedTuple):
       >>> import optax, pztrain, jax, jax.numpy as jnp
       >>> def loss_fn(*, model, state, rng):
       ...     return jnp.sum(model["w"] ** 2), state, {}
+      ...
       >>> st = pztrain.TrainState.initial_state(
       ...     {"w": jnp.ones(2)}, optax.sgd(0.1), jax.random.key(0))
       >>> pztrain.build_train_step(loss_fn).compute_grads(st).grads  # d/dw sum(w**2)

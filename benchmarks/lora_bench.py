@@ -1,0 +1,260 @@
+"""Fine-tuning with LoRA: memory beside full fine-tuning, reading a checkpoint onto
+8 devices, and pztrain's LoRA step beside a hand-written one.
+
+Run: ``python benchmarks/lora_bench.py`` (``--quick``: fewer rounds; ``--width``:
+the model's width, 64 as in ``examples/char_lm.py``). It sets 8 simulated CPU
+devices before importing jax.
+
+* **Memory**: the example's model (char_lm's 2-block llama-like transformer) loaded
+  from its Hugging Face checkpoint, fine-tuned whole (float32, Adam) or with rank-8
+  adapters on the attention's query and value (bfloat16 base, float32 adapters):
+  the bytes of params, optimizer state and frozen base in the state, and the
+  compiled step's ``memory_analysis()`` (arguments, outputs, temporaries).
+  Target: the adapters' optimizer state under 5% of full fine-tuning's.
+* **Import**: `pztrain.finetune.load_pretrained` of the checkpoint onto a mesh of
+  8 devices (each param split over the first axis 8 divides), the bytes it read,
+  and its time beside ``safetensors.numpy.load_file`` of the same file (median of
+  rounds). Target: each byte read once, and at most 1.3x the plain read.
+* **Step**: steps/s of pztrain's LoRA step (`build_train_step`, adapters as params)
+  over a hand-written ``jax.jit`` step of the same penzai model (adapters bound
+  back into the frozen base, Adam, donation), median of rounds. Target >= 0.95.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+import safetensors.numpy  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from penzai import pz  # noqa: E402
+from penzai.models.transformer.variants import llamalike_common  # noqa: E402
+
+import pztrain  # noqa: E402
+from pztrain import finetune  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_bench import timed_rounds  # noqa: E402
+
+VOCAB, SEQ, BATCH = 110, 64, 16
+LORA = finetune.LoraConfig(rank=8, alpha=16.0, targets="attention/(query|value)")
+
+
+def config_of(width: int):
+    """char_lm's configuration (width 64, 4 heads, 2 blocks) at ``width``."""
+    return llamalike_common.LlamalikeTransformerConfig(
+        num_kv_heads=4,
+        query_head_multiplier=1,
+        embedding_dim=width,
+        projection_dim=width // 4,
+        mlp_hidden_dim=3 * width,
+        num_decoder_blocks=2,
+        vocab_size=VOCAB,
+        mlp_variant="swiglu",
+        tie_embedder_and_logits=False,
+    )
+
+
+def write_checkpoint(config, folder: Path) -> Path:
+    model = llamalike_common.build_llamalike_transformer(
+        config, init_base_rng=jax.random.key(0), name="lm"
+    )
+    mapping = finetune.llama_mapping(config, name="lm")
+    return finetune.export_pretrained(
+        folder,
+        pz.freeze_params(model),
+        mapping,
+        config=finetune.hf_llama_config(config),
+    )
+
+
+def loss_fn(*, model, state, rng, tokens, targets):
+    logits = model(pz.nx.wrap(tokens).tag("batch", "seq"))
+    logits = logits.untag("batch", "seq", "vocabulary").unwrap().astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return loss, state, {"loss": loss}
+
+
+def batch() -> dict[str, jax.Array]:
+    ids = jax.random.randint(jax.random.key(5), (BATCH, SEQ + 1), 0, VOCAB)
+    return {"tokens": ids[:, :-1], "targets": ids[:, 1:]}
+
+
+def states(path: Path, config) -> dict[str, pztrain.TrainState]:
+    mapping = finetune.llama_mapping(config, name="lm")
+    skeleton = finetune.llama_skeleton(config, name="lm")
+    full, _ = finetune.load_pretrained(path, skeleton, mapping)
+    base, _ = finetune.load_pretrained(path, skeleton, mapping, dtype=jnp.bfloat16)
+    lora = finetune.add_lora(base, LORA, jax.random.key(1))
+    key = jax.random.key(2)
+    return {
+        "full fine-tuning (f32)": pztrain.TrainState.initial_state(
+            full, optax.adam(1e-3), key
+        ),
+        "LoRA r=8 (bf16 base)": pztrain.TrainState.initial_state(
+            lora, optax.adam(1e-3), key, trainable=finetune.is_adapter
+        ),
+    }
+
+
+def _bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+
+
+def memory_table(runs: dict[str, pztrain.TrainState]) -> list[dict]:
+    step, rows = pztrain.build_train_step(loss_fn), []
+    for name, state in runs.items():
+        m = step.lower(state, batch()).compile().memory_analysis()
+        rows.append(
+            {
+                "run": name,
+                "params": _bytes(state.params),
+                "opt_state": _bytes(state.opt_state),
+                "frozen base": _bytes(state.model_without_params),
+                "arguments": m.argument_size_in_bytes,
+                "outputs": m.output_size_in_bytes,
+                "temporaries": m.temp_size_in_bytes,
+            }
+        )
+    return rows
+
+
+def shardings(config, mesh) -> dict[str, NamedSharding]:
+    """Each param split over the first axis 8 divides (else replicated)."""
+    params, _ = pztrain.partition.split(
+        finetune.llama_skeleton(config, name="lm"), frozen=True
+    )
+    out = {}
+    for name, x in params.items():
+        axes = [i for i, n in enumerate(x.shape) if n % mesh.size == 0]
+        spec = [None] * len(x.shape)
+        if axes:
+            spec[axes[0]] = "x"
+        out[name] = NamedSharding(mesh, P(*spec))
+    return out
+
+
+def import_figures(path: Path, config, rounds: int) -> dict[str, float]:
+    mesh = jax.make_mesh((8,), ("x",))
+    where, skeleton = (
+        shardings(config, mesh),
+        finetune.llama_skeleton(config, name="lm"),
+    )
+    mapping = finetune.llama_mapping(config, name="lm")
+    file = str(path / "model.safetensors")
+
+    def ours():
+        model, report = finetune.load_pretrained(
+            path, skeleton, mapping, shardings=where
+        )
+        jax.block_until_ready(pztrain.partition.split(model, frozen=True)[0])
+        return report
+
+    def plain():
+        return safetensors.numpy.load_file(file)
+
+    report, tensors = ours(), plain()
+    times = {"ours": [], "plain": []}
+    for _ in range(rounds):
+        for name, fn in (("ours", ours), ("plain", plain)):
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    ours_s, plain_s = (statistics.median(times[k]) for k in ("ours", "plain"))
+    return {
+        "tensor bytes in the file": sum(x.nbytes for x in tensors.values()),
+        "bytes read by load_pretrained": report.bytes_read,
+        "load_pretrained onto 8 devices (ms)": 1e3 * ours_s,
+        "safetensors.numpy.load_file (ms)": 1e3 * plain_s,
+        "ratio": ours_s / plain_s,
+    }
+
+
+def hand_written_step(state: pztrain.TrainState):
+    """A jitted penzai step: the adapters trained, the frozen base an argument."""
+    unbound, values = pz.unbind_params(state.model, freeze=True)
+    values = jax.tree.map(jnp.copy, values)  # pztrain's step donates the state's
+    trained = [v for v in values if finetune.is_adapter(str(v.label))]
+    frozen = [v for v in values if not finetune.is_adapter(str(v.label))]
+    tx = optax.adam(1e-3)
+
+    def step(trained, opt_state, frozen, tokens, targets):
+        def loss(trained):
+            model = pz.bind_variables(unbound, [*trained, *frozen])
+            return loss_fn(
+                model=model, state=None, rng=None, tokens=tokens, targets=targets
+            )[0]
+
+        value, grads = jax.value_and_grad(loss)(trained)
+        updates, opt_state = tx.update(grads, opt_state, trained)
+        return optax.apply_updates(trained, updates), opt_state, value
+
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    carry = [trained, tx.init(trained)]
+
+    def run(n: int):
+        b = batch()
+        for _ in range(n):
+            carry[0], carry[1], value = jitted(carry[0], carry[1], frozen, **b)
+        return value
+
+    return run
+
+
+def step_ratio(state: pztrain.TrainState, rounds: int, calls: int) -> float:
+    step, b, carry = pztrain.build_train_step(loss_fn), batch(), [state]
+
+    def ours(n: int):
+        for _ in range(n):
+            carry[0], aux = step(carry[0], **b)
+        return aux
+
+    times = timed_rounds(
+        {"ours": ours, "hand": hand_written_step(state)}, rounds, calls
+    )
+    return statistics.median(t["hand"] / t["ours"] for t in times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--width", type=int, default=64)
+    args = parser.parse_args()
+    rounds, calls = (3, 5) if args.quick else (15, 30)
+    config = config_of(args.width)
+    print(f"jax {jax.__version__}, {jax.device_count()} devices, width {args.width}")
+    with tempfile.TemporaryDirectory() as d:
+        path = write_checkpoint(config, Path(d) / "ckpt")
+        runs = states(path, config)
+        rows = memory_table(runs)
+        print("\nMemory (bytes)")
+        for row in rows:
+            print(
+                "  "
+                + ", ".join(f"{k}: {v:,}" if k != "run" else v for k, v in row.items())
+            )
+        share = rows[1]["opt_state"] / rows[0]["opt_state"]
+        print(f"  adapters' optimizer state / full's: {share:.2%} (target < 5%)")
+        print("\nImport onto 8 devices")
+        for k, v in import_figures(path, config, rounds).items():
+            print(f"  {k}: {v:,.3f}" if isinstance(v, float) else f"  {k}: {v:,}")
+        ratio = step_ratio(runs["LoRA r=8 (bf16 base)"], rounds, calls)
+        print(
+            f"\nLoRA step, pztrain / hand-written steps/s: {ratio:.3f} (target >= 0.95)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Weights in: a Hugging Face checkpoint read into a model of any family
+through a `WeightMapping`, each process reading only the boxes its devices
+hold, and the `ImportReport` of what came from where."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pztrain import partition
+from pztrain._table import text_table
+from pztrain._tree import is_array_like, named_leaves
+from pztrain.finetune._hf import checkpoint_files
+from pztrain.finetune._mapping import Entry, MappingError, WeightMapping, plan_import
+from pztrain.finetune._transforms import read_plan, to_target
+
+__all__ = ["ImportReport", "load_pretrained", "model_params", "penzai_skeleton"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportReport:
+    """What `load_pretrained` read: ``print(report)`` shows it as a table.
+
+    Attributes:
+      where: The checkpoint read.
+      loaded: Each loaded param name → the stored tensor it came from.
+      missing: The model's params no tensor filled (kept as they were).
+      unexpected: The stored tensors no rule matched (not read).
+      bytes_read: Bytes of tensor data this process read.
+
+    Example:
+      >>> import tempfile, numpy as np, jax.numpy as jnp, safetensors.numpy
+      >>> from pztrain.finetune import Rule, WeightMapping, load_pretrained
+      >>> mapping = WeightMapping([Rule("fc.{p}", "fc/{p}")])
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     tensors = {"fc.weight": np.ones((3, 2), np.float32)}
+      ...     safetensors.numpy.save_file(tensors, d + "/model.safetensors")
+      ...     like = {"fc": {"weight": jnp.zeros((3, 2)), "bias": jnp.zeros(3)}}
+      ...     params, report = load_pretrained(d, like, mapping, partial=True)
+      ...
+      >>> report.loaded, report.missing, report.bytes_read
+      ({'fc/weight': 'fc.weight'}, ('fc/bias',), 24)
+    """
+
+    where: str
+    loaded: dict[str, str]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    bytes_read: int
+
+    def __str__(self) -> str:
+        rows = [("loaded", t, s) for t, s in self.loaded.items()]
+        rows += [("missing", t, "-") for t in self.missing]
+        rows += [("unexpected", "-", s) for s in self.unexpected]
+        table = text_table(("", "param", "stored"), rows, "param")
+        return (
+            f"From {self.where}: {len(self.loaded)} loaded, {len(self.missing)} "
+            f"missing, {len(self.unexpected)} unexpected, {self.bytes_read:,} "
+            f"bytes read.\n{table}"
+        )
+
+
+def model_params(like: Any) -> tuple[dict[str, Any], Callable[[dict[str, Any]], Any]]:
+    """The named float arrays of ``like`` (a params dict, or a model of any
+    family, concrete or abstract, frozen penzai params included) and a function
+    that puts new ones back."""
+    if isinstance(like, Mapping) and all(
+        is_array_like(x) for x in jax.tree.leaves(like)
+    ):
+        named = dict(named_leaves(like))
+        treedef = jax.tree.structure(like)
+        return named, lambda p: treedef.unflatten([p[n] for n in named])
+    params, rest = partition.split(like, frozen=True)
+    return params, lambda p: partition.to_user_model(partition.merge(p, rest))
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    like: Any,
+    mapping: WeightMapping,
+    *,
+    dtype: Any = None,
+    shardings: Mapping[str, jax.sharding.Sharding] | None = None,
+    partial: bool = False,
+) -> tuple[Any, ImportReport]:
+    """Reads a checkpoint in Hugging Face's layout into a model like ``like``.
+
+    Every name, shape and dtype is checked against ``mapping`` before any
+    tensor is read. Each array goes onto its sharding, and each process reads
+    (``safetensors``' sliced reads) only the box of each tensor its devices
+    hold, once. Needs ``pztrain[safetensors]``.
+
+    Args:
+      path: A directory holding ``model.safetensors`` or shards and
+        ``model.safetensors.index.json``; or one of those files.
+      like: The model to fill (penzai v2 or v1, equinox, Flax NNX, a dict of
+        arrays), concrete or abstract: its float arrays, frozen ones included.
+      mapping: The architecture's `WeightMapping`.
+      dtype: The floating dtype to load as (``jnp.bfloat16`` for a frozen
+        base); ``None``: each target's own.
+      shardings: Param name → sharding (default: the sharding of ``like``'s
+        array, else the default device).
+      partial: Allow params no tensor fills (kept as ``like`` has them) and
+        tensors no rule matches (reported, not read).
+
+    Returns:
+      ``(model, report)``: ``like`` with the loaded arrays, an `ImportReport`.
+
+    Raises:
+      MappingError: a rule matching nothing, two tensors onto one param, a
+        shape no transform fits (both shapes named), a float into an integer;
+        without ``partial``, params unfilled or tensors unread (listed).
+      FileNotFoundError: no checkpoint, or a shard the index names is missing.
+
+    Example:
+      >>> import tempfile, numpy as np, jax.numpy as jnp, safetensors.numpy
+      >>> from pztrain.finetune import Rule, Transpose, WeightMapping, load_pretrained
+      >>> mapping = WeightMapping([Rule("fc.weight", "w", (Transpose((1, 0)),))])
+      >>> w = np.arange(6, dtype=np.float32).reshape(3, 2)
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     safetensors.numpy.save_file({"fc.weight": w}, d + "/model.safetensors")
+      ...     params, _ = load_pretrained(d, {"w": jnp.zeros((2, 3))}, mapping,
+      ...                                 dtype=jnp.bfloat16)
+      ...
+      >>> params["w"]
+      Array([[0, 2, 4],
+             [1, 3, 5]], dtype=bfloat16)
+    """
+    files, (targets, rebuild) = checkpoint_files(path), model_params(like)
+    want = {n: (tuple(np.shape(x)), _dtype(x, dtype)) for n, x in targets.items()}
+    entries, missing, unexpected = _plan(files, mapping, want, partial)
+    loaded = _read_all(files, entries, targets, want, shardings or {})
+    loaded_from = {e.target: e.source for e in entries}
+    report = ImportReport(
+        str(files.where), loaded_from, missing, unexpected, files.bytes_read
+    )
+    return rebuild({**targets, **loaded}), report
+
+
+def _read_all(files, entries, targets, want, shardings) -> dict[str, jax.Array]:
+    loaded = {}
+    try:
+        for e in entries:
+            sharding = shardings.get(e.target) or _sharding_of(targets[e.target])
+            loaded[e.target] = _read(files, e, want[e.target][1], sharding)
+    finally:
+        files.close()
+    return loaded
+
+
+def _plan(files: Any, mapping: WeightMapping, want: Any, partial: bool) -> tuple:
+    where = str(files.where)
+    entries, missing, unexpected = plan_import(mapping, files.header, want, where)
+    if (missing or unexpected) and not partial:
+        raise MappingError(
+            f"{mapping.name} mapping and {where} do not match: params no tensor "
+            f"fills {list(missing)[:8]}, tensors no rule reads "
+            f"{list(unexpected)[:8]}. Add rules, or pass partial=True to load what "
+            "matches (the report lists the rest)."
+        )
+    return entries, missing, unexpected
+
+
+def _dtype(x: Any, dtype: Any) -> np.dtype:
+    own = np.dtype(x.dtype)
+    if dtype is not None and jnp.issubdtype(own, jnp.inexact):
+        return np.dtype(dtype)
+    return own
+
+
+def _sharding_of(x: Any) -> jax.sharding.Sharding:
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.Sharding):
+        return sharding
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _read(files: Any, e: Entry, dtype: np.dtype, sharding: Any) -> jax.Array:
+    """One param: the box its addressable devices hold, read once, on them."""
+    shape = e.shapes[-1]
+    indices = sharding.addressable_devices_indices_map(shape)
+    box = _bounding_box(shape, indices.values())
+    boxes, got = read_plan(e.transforms, e.shapes, box)
+    region = to_target(e.transforms, files.read(e.source, boxes[0]), boxes)
+    region = np.asarray(region).astype(dtype, copy=False)
+
+    def part(index: tuple[slice, ...]) -> np.ndarray:
+        rel = tuple(
+            slice(s.indices(n)[0] - lo, s.indices(n)[1] - lo)
+            for s, n, (lo, _) in zip(index, shape, got, strict=True)
+        )
+        return region[rel]
+
+    return jax.make_array_from_callback(shape, sharding, part)
+
+
+def _bounding_box(shape: tuple[int, ...], indices: Any) -> tuple[tuple[int, int], ...]:
+    starts, stops = list(shape), [0] * len(shape)
+    for index in indices:
+        for a, (s, n) in enumerate(zip(index, shape, strict=True)):
+            lo, hi, _ = s.indices(n)
+            starts[a], stops[a] = min(starts[a], lo), max(stops[a], hi)
+    return tuple(
+        (lo, hi) if hi > lo else (0, 0) for lo, hi in zip(starts, stops, strict=True)
+    )
+
+
+def penzai_skeleton(build: Callable[[Any], Any]) -> Any:
+    """The penzai v2 model ``build(init_base_rng)`` makes, its parameters frozen
+    and abstract (``jax.ShapeDtypeStruct``): a target for `load_pretrained`
+    that computes no weight. Its other arrays (constants) are concrete, which a
+    ``jax.eval_shape`` of the whole model would not give.
+
+    Example:
+      >>> import jax; from penzai import pz
+      >>> from pztrain.finetune import penzai_skeleton
+      >>> model = penzai_skeleton(lambda rng: pz.nn.Linear.from_config(
+      ...     name="l", init_base_rng=rng, input_axes={"i": 2},
+      ...     output_axes={"o": 3}))
+      ...
+      >>> model.weights.value.data_array
+      ShapeDtypeStruct(shape=(2, 3), dtype=float32)
+    """
+    from penzai import pz
+
+    values = jax.eval_shape(
+        lambda: pz.unbind_params(build(jax.random.key(0)), freeze=True)[1]
+    )
+    return pz.bind_variables(build(None), values)
