@@ -2,6 +2,7 @@
 float rounding of batched matmuls), through the step, fit and evaluation; bad
 members and bad per-member input are refused by name."""
 
+import itertools
 import os
 import re
 import subprocess
@@ -283,6 +284,47 @@ def test_metric_sums_of_per_member_batches_of_several_steps_a_call():
     sums = per.metric_sums(population(), {"x": xs, "y": ys})
     _, aux = per(population(), x=xs, y=ys)
     assert sorted(sums.names) == sorted(aux) == ["acc", "loss"]
+
+
+class _MemberLoader(pztrain.data.StepLoader):
+    """One ArrayLoader per member, their batches stacked on a leading member
+    axis (then the steps, with ``steps_per_call``)."""
+
+    steps_per_epoch = 4
+
+    def __init__(self):
+        arrays = {"x": X, "y": Y}
+        self.loaders = [pztrain.ArrayLoader(arrays, 16, seed=i) for i in range(4)]
+
+    def batch_at(self, step):
+        return _stacked([loader.batch_at(step) for loader in self.loaders])
+
+    def epoch(self, epoch=0):
+        return map(self.batch_at, range(4 * epoch, 4 * epoch + 4))
+
+    def iter_from_step(self, step, steps_per_call=1):
+        its = [loader.iter_from_step(step, steps_per_call) for loader in self.loaders]
+        return (_stacked(batches) for batches in zip(*its, strict=True))
+
+
+def _stacked(batches):
+    return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+
+
+def test_fit_reads_per_member_loaders_of_several_steps_a_call():
+    """A loader of per-member batches with steps_per_call=2 (the member axis,
+    then the steps) trains under fit as the step alone: fit's look at the
+    first batch before the run stacks the steps after the members (a
+    combination-matrix row)."""
+    per = pztrain.build_train_step(loss_fn, member_batches=True, steps_per_call=2)
+    pop, _ = pztrain.fit(
+        population(), per, _MemberLoader(), num_steps=4, log_every=2, progress=False
+    )
+    ref = population()
+    for batch in itertools.islice(_MemberLoader().iter_from_step(0, 2), 2):
+        ref, _ = per(ref, **batch)
+    for i in range(4):
+        assert_member_equals(pop, i, pztrain.member(ref, i), rtol=1e-6)
 
 
 def test_population_inside_the_users_own_scan():

@@ -68,20 +68,25 @@ def check_run(
     return names
 
 
-def first_batch(data: Any, step: int, steps_per_call: int = 1) -> Any:
+def first_batch(
+    data: Any, step: int, steps_per_call: int = 1, steps_axis: int = 0
+) -> Any:
     """The batch of the call at ``step`` (``steps_per_call`` batches stacked;
-    from a `StepLoader`, their shapes), read ahead without changing ``data``;
-    ``None`` for data that cannot be (see the module's docstring), or with
-    several processes (each holds its rows: the step's batch is assembled only
-    in the run)."""
+    from a `StepLoader`, their shapes, the steps on ``steps_axis``: 1 for
+    per-member batches, whose member axis comes first), read ahead without
+    changing ``data``; ``None`` for data that cannot be (see the module's
+    docstring), or with several processes (each holds its rows: the step's
+    batch is assembled only in the run)."""
     if jax.process_count() > 1:
         return None
     if isinstance(data, StepLoader):  # one batch read (on the host: no workers)
-        batch, k = data.batch_at(step), steps_per_call
+        batch, k, a = data.batch_at(step), steps_per_call, steps_axis
         if k == 1:
             return batch
         return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((k, *np.shape(x)), np.asarray(x).dtype),
+            lambda x: jax.ShapeDtypeStruct(
+                (*np.shape(x)[:a], k, *np.shape(x)[a:]), np.asarray(x).dtype
+            ),
             batch,
         )  # its k batches stacked, as shapes
     if isinstance(data, list | tuple) and len(data) >= steps_per_call:
@@ -99,7 +104,8 @@ def check_train_batch(state: TrainState, train_step: TrainStep, data: Any) -> No
     with its note (`pztrain.step.TrainStep.metric_sums`)."""
     with host_reads():
         step = int(state.step)
-    batch = first_batch(data, step, train_step.steps_per_call)
+    axis = 1 if train_step.member_batches else 0  # the members, then the steps
+    batch = first_batch(data, step, train_step.steps_per_call, axis)
     if batch is not None:
         train_step.metric_sums(state, batch)  # cached: the run's first call's
 
