@@ -339,13 +339,11 @@ class TrainStep:
         given = batch = one_batch(batch, arrays)
         if not isinstance(batch, Mapping):
             batch = batch.batch_shapes()
-        elif self.steps_per_call > 1:  # the metrics of one step, from one slice
-            axis = 1 if self.member_batches else 0  # the members, then the steps
+        elif self.steps_per_call > 1:  # one step's slice (steps after the members)
+            a = int(self.member_batches)
+            cut = lambda s: s[:a] + s[a + 1 :]  # noqa: E731
             batch = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(
-                    x.shape[:axis] + x.shape[axis + 1 :], x.dtype
-                ),
-                batch,
+                lambda x: jax.ShapeDtypeStruct(cut(x.shape), x.dtype), batch
             )
         found = self._lookup(state)
         carry, inputs = args_of(state, found, batch, opt_state=False)
