@@ -132,14 +132,14 @@ def row_id(row: Mapping[str, str]) -> str:
 ROWS = all_pairs(AXES)
 JOB_ROWS = all_pairs(JOB_AXES)
 
-# The fast subset: six rows of a few seconds that span most axes (one run and
-# a population, the four data kinds but grain, every evaluation kind, an end,
-# early stops, Ctrl-C and a bad batch; the rest of the axes run in the full set).
+# The fast subset: six rows of a second or two (warm) that hold every value of
+# the data, evaluation, checkpoint and step axes, one run and a population,
+# four families and four stops; every row runs in the full set (slow).
 FAST = {
-    "pzv1-solo-host-unnamed-end-none-plain-1dev",
     "eqx-solo-host-hostfn-early-keep1-norms-1dev",
-    "eqx-solo-device-atend-end-none-micro2-1dev",
     "pzv1-solo-device-atend-sigint-none-spc2-1dev",
     "flax-solo-host-unnamed-early-keepbest-plain-1dev",
-    "eqx-solo-host-unnamed-badbatch-none-plain-1dev",
+    "eqx-solo-device-atend-end-none-micro2-1dev",
+    "pzv2-pop-permember-unnamed-early-none-plain-1dev",
+    "pzv2-solo-grain-named2-badbatch-ema-plain-1dev",
 }
