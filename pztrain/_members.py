@@ -113,7 +113,7 @@ def spread(name: str, value: Any) -> dict[str, float]:
     if finite.size < array.size:
         out[f"{name}/diverged"] = float(array.size - finite.size)
     out.update({member_key(name, i): float(v) for i, v in enumerate(array)})
-    return out  # every entry but the mean matches pztrain.records.SPREAD
+    return out  # every entry but the mean matches pztrain._plot.SPREAD
 
 
 def finite_members(tree: Any, members: int) -> np.ndarray:

@@ -312,13 +312,13 @@ def test_population_pruning_refuses_what_it_cannot_report():
     pruning = PopulationPruning(trials)
     info = pztrain.LoopInfo(0, 10, 10, 1, 10, evaluates=True, run_dir=None)
     with pytest.raises(ValueError, match="2 trials but fit trains a single run"):
-        pruning.on_train_start(init(0), info)
+        pruning.check(init(0), info)
     pop = pztrain.make_population(init, seeds=range(3))
     with pytest.raises(ValueError, match="2 trials but fit trains a population of 3"):
-        pruning.on_train_start(pop, info)
+        pruning.check(pop, info)
     with pytest.raises(ValueError, match="fit runs no evaluation"):
         no_eval = pztrain.LoopInfo(0, 10, 10, 1, 10, evaluates=False, run_dir=None)
-        pruning.on_train_start(pztrain.make_population(init, seeds=[0, 1]), no_eval)
+        pruning.check(pztrain.make_population(init, seeds=[0, 1]), no_eval)
     record = {"step": 3, "split": "eval", "metrics": {"loss/member_0": 1.0}}
     with pytest.raises(ValueError, match="has 2 trials but the population evaluated"):
         pruning.on_eval_end(None, record)

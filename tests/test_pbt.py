@@ -132,7 +132,7 @@ def test_pbt_in_fit_logs_its_decisions(tmp_path):
 
 def test_bad_use_is_refused_by_name():
     with pytest.raises(ValueError, match="a population of at least 2 members"):
-        PopulationBasedTraining("loss").on_train_start(init(0), INFO)
+        PopulationBasedTraining("loss").check(init(0), INFO)
     pop = trained_population()
     with pytest.raises(
         ValueError,
@@ -140,11 +140,9 @@ def test_bad_use_is_refused_by_name():
             "perturb=...) names ['momentum'], which the optimizer does not inject"
         ),
     ):
-        PopulationBasedTraining("loss", perturb={"momentum": [0.9]}).on_train_start(
-            pop, INFO
-        )
+        PopulationBasedTraining("loss", perturb={"momentum": [0.9]}).check(pop, INFO)
     with pytest.raises(ValueError, match="does not evaluate"):
-        PopulationBasedTraining("eval/loss").on_train_start(pop, INFO)
+        PopulationBasedTraining("eval/loss").check(pop, INFO)
     pbt = PopulationBasedTraining("acc")
     pbt.on_train_start(pop, INFO)
     with pytest.raises(KeyError, match=re.escape("no 'acc/member_0' (monitor 'acc')")):
@@ -186,8 +184,8 @@ def test_pbt_checks_its_monitor_at_the_start():
     pop = pztrain.make_population(init, seeds=range(4), learning_rate=LRS)
     info = dataclasses.replace(INFO, evaluates=True, evaluations=("val", "test"))
     with pytest.raises(ValueError, match=re.escape("evaluations are ['val', 'test']")):
-        PopulationBasedTraining("eval/tset/loss").on_train_start(pop, info)
-    PopulationBasedTraining("eval/test/loss").check_start(pop, info)  # fine
+        PopulationBasedTraining("eval/tset/loss").check(pop, info)
+    PopulationBasedTraining("eval/test/loss").check(pop, info)  # fine
 
 
 def test_a_misspelled_monitor_lists_every_name_it_could_monitor():

@@ -83,7 +83,8 @@ def test_fit_records_carry_flops_and_mfu():
         state, step, data, num_steps=8, log_every=4, progress=False, peak_flops=1e9
     )
     record = history.last()
-    flops = step.cost(mlp_state(), **batch()).flops
+    fresh = mlp_state()  # fit's calls add the metrics to sums: that program's
+    flops = step.cost(fresh, **batch(), sums=step.metric_sums(fresh, **batch())).flops
     assert record["flops_per_step"] == flops
     assert record["flops_per_sec"] == pytest.approx(
         flops * record["steps_per_sec"], rel=1e-3
@@ -144,3 +145,21 @@ def test_known_accelerators_have_a_peak():
     assert isinstance(
         pztrain.build_train_step(loss_fn).cost(mlp_state(), **batch()), StepCost
     )
+
+
+@pytest.mark.slow  # compiles steps of its own (seconds)
+def test_fit_compiles_its_step_once_for_the_memory_check_and_the_calls(caplog):
+    # fit checks the memory of the program its calls run (the step that adds
+    # the metrics to on-device sums), so the first call reuses that compilation.
+    state, step = mlp_state(), pztrain.build_train_step(loss_fn)
+    caplog.set_level(logging.WARNING)
+    with jax.log_compiles(True):
+        pztrain.fit(
+            state, step, [batch()] * 4, num_steps=4, log_every=2, progress=False
+        )
+    compiled = [
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("Finished XLA compilation of jit(flat_run)")
+    ]
+    assert len(compiled) == 1, compiled

@@ -83,6 +83,7 @@ class Callback:
           ...     def check(self, state, info):
           ...         if not info.evaluates:
           ...             raise ValueError("NeedsEval needs eval_step= and eval_data=.")
+          ...
           >>> NeedsEval().check(None, LoopInfo(0, 10, None, 1, 5, False, None))
           Traceback (most recent call last):
           ...

@@ -115,13 +115,13 @@ class PopulationBasedTraining(Callback):
         self.every, self.seed = every, seed
         self.decisions: list[dict[str, Any]] = []
         self._seen = 0
-        self._evaluations: tuple[str, ...] = ("",)  # fit's, from check_start
+        self._evaluations: tuple[str, ...] = ("",)  # fit's, from on_train_start
 
     def on_train_start(self, state: TrainState, info: LoopInfo) -> None:
-        self.check_start(state, info)
+        self._evaluations = tuple(info.evaluation_names)
 
-    def check_start(self, state: TrainState, info: LoopInfo) -> None:
-        """Refuses a run this callback cannot act on, before its first step:
+    def check(self, state: TrainState, info: LoopInfo) -> None:
+        """Refuses a run this callback cannot act on, before anything is written:
         a single run or a population of one, ``perturb`` names the optimizer
         does not inject, an eval monitor in a run without evaluations or
         naming none of its evaluations (``"eval/<name>/<metric>"``).
@@ -148,9 +148,8 @@ class PopulationBasedTraining(Callback):
                 "does not evaluate: pass eval_step= and eval_data= to fit, or "
                 "monitor a train metric."
             )
-        self._evaluations = tuple(info.evaluation_names)
         try:
-            eval_owner(self.monitor, self._evaluations)
+            eval_owner(self.monitor, tuple(info.evaluation_names))
         except ValueError as e:
             raise ValueError(f"PopulationBasedTraining: {e}") from None
 

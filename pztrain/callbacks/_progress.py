@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pztrain._plot import SPREAD
 from pztrain.callbacks._bar import check_tqdm, fit_width, pace, restart_clock, tqdm_bar
 from pztrain.callbacks._base import Callback, record_only
-from pztrain.records import SPREAD
 
 __all__ = ["ProgressBar"]
 

@@ -91,10 +91,9 @@ def load_pretrained(
 ) -> tuple[Any, ImportReport]:
     """Reads a checkpoint in Hugging Face's layout into a model like ``like``.
 
-    Every name, shape and dtype is checked against ``mapping`` before any
-    tensor is read. Each array goes onto its sharding, and each process reads
-    (``safetensors``' sliced reads) only the box of each tensor its devices
-    hold, once. Needs ``pztrain[safetensors]``.
+    Every name, shape and dtype is checked against ``mapping`` before any tensor
+    is read. Each array goes onto its sharding, each process reading (sliced) only
+    the box of each tensor its devices hold, once. Needs ``pztrain[safetensors]``.
 
     Args:
       path: A directory holding ``model.safetensors`` or shards and

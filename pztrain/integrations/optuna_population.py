@@ -170,7 +170,9 @@ class PopulationPruning(Callback):
         self.pruned_steps: dict[int, int] = {}
         self._evaluations: tuple[str, ...] = ("",)  # fit's, from on_train_start
 
-    def on_train_start(self, state: TrainState, info: LoopInfo) -> None:
+    def check(self, state: TrainState, info: LoopInfo) -> None:
+        """Refuses a run without the monitored evaluation, or whose population
+        is not one member per trial, before anything is written."""
         if not info.evaluates:
             raise ValueError(
                 f"PopulationPruning monitors {self.monitor!r} but fit runs no "
@@ -183,8 +185,10 @@ class PopulationPruning(Callback):
                 + ("a single run" if size is None else f"a population of {size}")
                 + ": give one trial per member (see ask_population)."
             )
+        eval_owner(self.monitor, info.evaluation_names)  # names one of them
+
+    def on_train_start(self, state: TrainState, info: LoopInfo) -> None:
         self._evaluations = info.evaluation_names
-        eval_owner(self.monitor, self._evaluations)  # names one of them
 
     def on_eval_end(self, state: TrainState, record: dict[str, Any]) -> Stop | None:
         with contextlib.suppress(KeyError):  # a missing metric: named below

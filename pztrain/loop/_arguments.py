@@ -17,7 +17,7 @@ from pztrain.loggers import Logger
 from pztrain.loop._evaluations import check_evaluations, unnamed_evaluation
 from pztrain.loop._schedule import check_eval_every_epochs
 from pztrain.loop._signals import check_signals
-from pztrain.loop._sources import check_epochs, data_callbacks
+from pztrain.loop._sources import check_epochs, check_placement, data_callbacks
 from pztrain.state import TrainState
 from pztrain.state._donation import note_consumer
 from pztrain.step import EvalStep, TrainStep
@@ -188,6 +188,7 @@ def _check_parts(state, train_step, train_data, eval_step, eval_data, hparams) -
             )
     if train_data is None:
         raise TypeError("train_data is None; pass an ArrayLoader or a list of batches.")
+    check_placement(train_data, getattr(train_step, "batch_sharding", None))
 
 
 def _is_count(value: Any) -> bool:

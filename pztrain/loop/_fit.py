@@ -258,7 +258,7 @@ def _stretch(run: _Run, state, sums, step: int, stop_at: float):
         if sums is None:
             sums = run.train_step.metric_sums(state, batch)
             run.reporter.note_batch(batch, k, run.train_step.member_batches)
-            _note_cost(run, state, batch)
+            _note_cost(run, state, batch, sums)
         if calls == 1:
             state, sums = run.train_step.accumulate(state, sums, batch)
             ran += k
@@ -273,13 +273,13 @@ def _stretch(run: _Run, state, sums, step: int, stop_at: float):
         yield state, sums, ran
 
 
-def _note_cost(run: _Run, state: TrainState, batch: Any) -> None:
+def _note_cost(run: _Run, state: TrainState, batch: Any, sums: Any) -> None:
     """Before a step's first call: its memory against the devices' (an error
     if it cannot fit) and its FLOPs for the records. The compilation this
     needs is the one the call then uses."""
     if not run.train_step.jit:  # nothing compiled to ask
         return
-    cost = run.train_step.cost(state, batch)
+    cost = run.train_step.cost(state, batch, sums=sums)
     devices = step_devices(run.train_step)
     check_memory(cost, devices)
     peak = peak_flops(devices, run.peak_flops)

@@ -35,6 +35,7 @@ __all__ = [
     "IteratorState",
     "batch_source",
     "check_epochs",
+    "check_placement",
     "data_callbacks",
     "one_shot_without_length",
 ]
@@ -59,6 +60,18 @@ class BatchSource(Protocol):
         """Stops reading ahead (prefetch threads, grain's worker processes)."""
 
 
+def check_placement(data: Any, sharding: Any) -> None:
+    """Refuses data on the device that a mesh step would move whole each step
+    (``sharding``: the step's batch sharding, ``None`` off a mesh)."""
+    on_device = isinstance(data, ArrayLoader) and data.on_device
+    if on_device and sharding is not None and data.sharding is None:
+        raise ValueError(
+            "The train step runs on a mesh but ArrayLoader(on_device=True) has no "
+            "sharding: each step would move the whole epoch onto the mesh. Pass "
+            "ArrayLoader(..., sharding=pztrain.sharding.data_sharding(mesh))."
+        )
+
+
 def batch_source(
     data: StepLoader | SequentialData | Iterable[Any],
     start: int,
@@ -73,12 +86,7 @@ def batch_source(
     (`pztrain.data.put_batch`).
     """
     if isinstance(data, ArrayLoader) and data.on_device:
-        if sharding is not None and data.sharding is None:
-            raise ValueError(
-                "The train step runs on a mesh but ArrayLoader(on_device=True) has no "
-                "sharding: each step would move the whole epoch onto the mesh. Pass "
-                "ArrayLoader(..., sharding=pztrain.sharding.data_sharding(mesh))."
-            )
+        check_placement(data, sharding)
         return DeviceEpochs(data, start, steps_per_call)
     if isinstance(data, StepLoader):
         own = data.fit_source(start, steps_per_call, prefetch, sharding)

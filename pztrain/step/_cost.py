@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["StepCost", "StepMemory", "cost_of", "human_bytes"]
+import jax
+import numpy as np
+
+__all__ = ["StepCost", "StepMemory", "cost_of", "human_bytes", "shapes_key"]
 
 
 class StepMemory(NamedTuple):
@@ -117,3 +120,10 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def shapes_key(tree: Any) -> tuple[Any, ...]:
+    """A hashable key of a pytree's structure, shapes and dtypes (the costs of a
+    step are cached by it: one compilation per batch shape)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)

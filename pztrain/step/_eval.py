@@ -134,8 +134,9 @@ class EvalStep:
           >>> from pztrain import build_eval_step, TrainState
           >>> def eval_fn(*, model, state, rng, x):
           ...     return {"mean": jnp.mean(x * model["w"])}
-          >>> state = TrainState.initial_state({"w": jnp.array(2.0)}, optax.sgd(0.1),
-          ...                                  jax.random.key(0))
+          ...
+          >>> state = TrainState.initial_state(
+          ...     {"w": jnp.array(2.0)}, optax.sgd(0.1), jax.random.key(0))
           >>> build_eval_step(eval_fn).output_shapes(state, {"x": jnp.ones(3)})
           {'mean': ShapeDtypeStruct(shape=(), dtype=float32)}
         """

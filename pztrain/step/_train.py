@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh
 
@@ -29,7 +28,7 @@ from pztrain.state._parts import check_opt_state
 from pztrain.state._state import check_state
 from pztrain.state._struct import after_step, replaced
 from pztrain.step._call_batch import on_mesh, one_batch, two_batches
-from pztrain.step._cost import StepCost, StepMemory, cost_of
+from pztrain.step._cost import StepCost, StepMemory, cost_of, shapes_key
 from pztrain.step._fusion import fused_calls
 from pztrain.step._members import check_counter, one_member, placed_as_members
 from pztrain.step._mesh import NO_MESH, MeshLayout
@@ -348,7 +347,7 @@ class TrainStep:
         found = self._lookup(state)
         carry, inputs = args_of(state, found, batch, opt_state=False)
         names = found.program.metric_names
-        key = _shapes_key((carry, inputs))
+        key = shapes_key((carry, inputs))
         members = found.static.members
         if key not in names:
             try:
@@ -376,12 +375,13 @@ class TrainStep:
             raise
 
     def lower(
-        self, state: TrainState, batch: Any = None, /, **arrays: Any
+        self, state: TrainState, batch: Any = None, /, *, sums=None, **arrays: Any
     ) -> jax.stages.Lowered:
         """Lowers the jitted step for ``state`` and a batch (nothing runs).
 
         The batch is given as in a call: keyword arrays, a dict or
-        `OnDeviceBatches`.
+        `OnDeviceBatches`. With ``sums`` (from `metric_sums`): the program
+        `accumulate` calls (`pztrain.fit`'s), which adds the metrics to them.
         """
         if not self.jit:
             raise ValueError("lower() needs a jitted step: build it with jit=True.")
@@ -389,14 +389,21 @@ class TrainStep:
         batch = one_batch(batch, arrays)
         if self.batch_sharding is not None and isinstance(batch, Mapping):
             batch = on_mesh(batch, self.batch_sharding)
-        return found.program.step.lower(*flat_args(state, found, batch))
+        carry, *inputs = flat_args(state, found, batch)
+        carry = carry_of(
+            carry.step, carry.params, carry.opt_state, carry.loss_fn_state, sums
+        )
+        return found.program.step.lower(carry, *inputs)
 
-    def cost(self, state: TrainState, batch: Any = None, /, **arrays: Any) -> StepCost:
+    def cost(
+        self, state: TrainState, batch: Any = None, /, *, sums=None, **arrays: Any
+    ) -> StepCost:
         """What one call costs, from the compiled step; nothing runs.
 
         FLOPs and memory per device, from XLA's ``cost_analysis`` and
         ``memory_analysis`` of the step compiled for this state and a batch
-        like ``batch`` (given as in a call). Compiled once per batch shape.
+        like ``batch`` (given as in a call; ``sums``: as `lower`'s). Compiled
+        once per batch shape, the compilation the first such call then uses.
 
         Example:
           >>> import jax, jax.numpy as jnp, optax
@@ -413,10 +420,10 @@ class TrainStep:
         """
         found = self._lookup(state)
         batch = one_batch(batch, arrays)
-        key = _shapes_key((flat_args(state, found, batch), self.steps_per_call))
+        key = shapes_key((flat_args(state, found, batch), sums, self.steps_per_call))
         costs = found.program.costs
         if key not in costs:
-            compiled = self.lower(state, batch).compile()
+            compiled = self.lower(state, batch, sums=sums).compile()
             costs[key] = cost_of(compiled, 1 if self.mesh is None else self.mesh.size)
         return costs[key]
 
@@ -442,8 +449,3 @@ _OPTIONS = (
 
 def _alive() -> bool:
     return False
-
-
-def _shapes_key(tree: Any) -> tuple[Any, ...]:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)

@@ -399,7 +399,11 @@ CASES = [
         id="fit-batch-an-array",
     ),
     P(
-        lambda p: fit(train_data=[{"x": X, "y": X}, {"x": X}], num_steps=2),
+        lambda p: fit(
+            train_step=STEP_XY,
+            train_data=[{"x": X, "y": jnp.ones(4)}, {"x": X}],
+            num_steps=2,
+        ),
         BatchError,
         E("Batch is missing key(s) ['y']; it has ['x']."),
         id="fit-batch-missing-key",
