@@ -38,6 +38,7 @@ from pztrain.checkpoint._readers import reading
 from pztrain.loggers import JsonlLogger, Logger, log_media
 from pztrain.loop._evaluations import Evaluation, check_evaluations, evaluation_values
 from pztrain.loop._job_directory import check_source, waiting_line
+from pztrain.loop._priority import lowered_priority
 from pztrain.loop._signals import stop_signals
 from pztrain.records import History, read_jsonl
 from pztrain.state import TrainState
@@ -75,8 +76,10 @@ def evaluate_checkpoints(
       follow: While the run holds ``directory``'s lock, wait for new checkpoints.
       timeout: Seconds without a new checkpoint after which it ends.
       poll: Seconds between two looks at ``directory``.
-      priority: Lower this process's CPU priority by this much (nice; at 19
-        Linux's idle class too; ``None``: not), so training keeps its speed.
+      priority: Lower this process's CPU priority by this much while the job
+        runs (nice; at 19 Linux's idle class too; ``None``: not), so training
+        keeps its speed; it is given back when the job returns (a warning
+        says so if the OS refuses).
 
     Returns:
       A `pztrain.History` of what it logged (``stop_reason``: a timeout).
@@ -112,10 +115,8 @@ def _run(directory, like, evaluations, run_dir, loggers, *, priority, **waits):
     """The job, on checked arguments: its priority, log and lock, then
     `_follow` (``waits``: ``follow``, ``timeout``, ``poll``)."""
     evaluations = check_evaluations(list(evaluations), None, like, 1)
-    if priority is not None:
-        lower_priority(priority)
     history = History()
-    with locked(run_dir), stop_signals() as flag:
+    with lowered_priority(priority), locked(run_dir), stop_signals() as flag:
         done = _logged_steps(run_dir)
         log = JsonlLogger(run_dir, resume_step=max(done, default=None))
         outputs = [log, *loggers]
@@ -254,25 +255,6 @@ def _follow(job: _Job, follow: bool, timeout: float, poll: float) -> str | None:
         time.sleep(poll)
         if job.flag.requested:
             raise KeyboardInterrupt("evaluate_checkpoints was interrupted waiting.")
-
-
-def lower_priority(by: int) -> None:
-    """Lowers the CPU priority of this process by ``by`` (nice), every thread
-    of it: on Linux a thread's niceness is its own, and the threads that
-    compute (XLA's) started with JAX, before this call. At 19 (the lowest),
-    the threads also take Linux's idle scheduling class: they run only on
-    CPU time that no other process wants."""
-    os.nice(by)
-    tasks = Path("/proc/self/task")
-    if not tasks.is_dir():  # elsewhere, nice is the process's
-        return
-    idle = by >= 19 and hasattr(os, "SCHED_IDLE")
-    for tid in tasks.iterdir():
-        with contextlib.suppress(OSError, ValueError):  # a thread that has ended
-            now = os.getpriority(os.PRIO_PROCESS, int(tid.name))
-            os.setpriority(os.PRIO_PROCESS, int(tid.name), min(19, max(now, 0) + by))
-            if idle:
-                os.sched_setscheduler(int(tid.name), os.SCHED_IDLE, os.sched_param(0))
 
 
 def _timed_out(job: _Job, timeout: float) -> str:
