@@ -76,10 +76,8 @@ def evaluate_checkpoints(
       follow: While the run holds ``directory``'s lock, wait for new checkpoints.
       timeout: Seconds without a new checkpoint after which it ends.
       poll: Seconds between two looks at ``directory``.
-      priority: Lower this process's CPU priority by this much while the job
-        runs (nice; at 19 Linux's idle class too; ``None``: not), so training
-        keeps its speed; it is given back when the job returns (a warning
-        says so if the OS refuses).
+      priority: Lower the CPU priority by this much until it returns (nice;
+        at 19 Linux's idle class too; ``None``: not): training keeps its speed.
 
     Returns:
       A `pztrain.History` of what it logged (``stop_reason``: a timeout).
