@@ -191,7 +191,8 @@ class _Run:
         if self.checkpoints is not None:
             saved = self.checkpoints.save_stopped(state, step, self.reporter.owed)
         if jax.process_index() == 0:
-            print(stop_line(self.stops, step, saved), flush=True)
+            unrun = saved is None and self.reporter.owed is not None
+            print(stop_line(self.stops, step, saved, unrun), flush=True)
 
 
 def _train(state: TrainState, run: _Run) -> TrainState:
