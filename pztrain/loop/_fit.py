@@ -151,10 +151,11 @@ class _Run:
 
     @classmethod
     def wire(
-        cls, args: FitArguments, schedule: Schedule, stops: StopFlag, metrics: dict
+        cls, args: FitArguments, schedule: Schedule, stops: StopFlag, metrics: tuple
     ) -> _Run:
         """The pieces of a run from ``schedule.start`` (after a resume);
-        ``metrics``: the names its evaluations record (`check_run`)."""
+        ``metrics``: the names its evaluations and train records take
+        (`check_run`)."""
         loggers, bar = _outputs(args, schedule.start)
         history = History()
         ckpts = [] if args.checkpoints is None else [args.checkpoints]
@@ -166,7 +167,7 @@ class _Run:
             source=_source(args, schedule),
             schedule=schedule,
             hooks=hooks,
-            info=loop_info(args, schedule, metrics),
+            info=loop_info(args, schedule, *metrics),
             history=history,
             reporter=reporter,
             evals=EvalRunner(args.evaluations, schedule, reporter, stops),
