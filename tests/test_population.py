@@ -405,6 +405,47 @@ def test_members_split_over_a_mesh_axis():
     assert "ok (4,)" in out.stdout
 
 
+NNX_MESH_SCRIPT = textwrap.dedent(
+    """
+    import jax, numpy as np, optax
+    import pztrain
+    from pztrain.population import shard_members
+    from tests.nnx_models import mlp, loss_fn, batch, xent
+    def init(seed):
+        return pztrain.TrainState.initial_state(
+            mlp(seed), optax.adam(0.05), jax.random.key(seed))
+    def eval_fn(*, model, state, rng, x, y):
+        return {"loss": xent(model(x), y)}
+    auto = jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh((4,), ("members",), axis_types=(auto,))
+    pop = shard_members(pztrain.make_population(init, seeds=range(4)), mesh)
+    step, b = pztrain.build_train_step(loss_fn), batch()
+    pop, sums = step.accumulate(pop, step.metric_sums(pop, b), b)
+    leaves = jax.tree.leaves(pop.model_without_params)  # the dropout's counter too
+    unsplit = [x.shape for x in leaves if len(x.sharding.device_set) != 4]
+    assert not unsplit, unsplit
+    out = pztrain.build_eval_step(eval_fn)(pop, **b)  # maps over split members
+    print("ok", np.shape(out["loss"]))
+    """
+)
+
+
+@pytest.mark.slow
+def test_an_nnx_populations_state_variables_stay_split_after_a_step():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", NNX_MESH_SCRIPT],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ok (4,)" in out.stdout
+
+
 def test_progress_bar_shows_the_mean_and_the_members_range():
     class Bar:
         def __init__(self, **kw):
