@@ -11,7 +11,8 @@ other's, median of paired ratios).
     python benchmarks/ab_revisions.py HEAD~3              # W0, per step and fit
     python benchmarks/ab_revisions.py 4d1fbcf --workloads W0,W1 --rounds 61
 
-Figures above 1 mean this checkout is faster.
+Figures above 1 mean this checkout is faster: medians [quartiles] of the paired
+ratios, of the wall clock and of the process's CPU time.
 """
 
 from __future__ import annotations
@@ -90,24 +91,36 @@ def fit_runner(mod, problem):
     return run
 
 
-def paired(new, old, rounds: int, n: int) -> float:
-    """Median over rounds of old time / new time (both blocked on at the end)."""
+def paired(new, old, rounds: int, n: int) -> tuple[str, str]:
+    """Old time / new time over rounds (both blocked on at the end): the
+    median [quartiles] of the wall-clock ratios, and of the process's CPU time
+    ratios (all threads: steadier than the wall clock on a loaded machine)."""
     for f in (new, old):
         jax.block_until_ready(f(n))
-    ratios = []
+    wall, cpu = [], []
     gc.disable()
     try:
         for r in range(rounds):
-            times = {}
+            times, cpus = {}, {}
             for name, f in (("new", new), ("old", old))[:: 1 if r % 2 else -1]:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 jax.block_until_ready(f(n))
                 times[name] = time.perf_counter() - t0
-            ratios.append(times["old"] / times["new"])
+                cpus[name] = time.process_time() - c0
+            wall.append(times["old"] / times["new"])
+            cpu.append(cpus["old"] / cpus["new"])
             gc.collect()
     finally:
         gc.enable()
-    return statistics.median(ratios)
+    return _spread(wall), _spread(cpu)
+
+
+def _spread(ratios: list[float]) -> str:
+    """``median [first–third quartile]``."""
+    if len(ratios) < 4:
+        return f"{statistics.median(ratios):.3f}"
+    lo, mid, hi = statistics.quantiles(ratios, n=4)
+    return f"{mid:.3f} [{lo:.3f}–{hi:.3f}]"
 
 
 def main() -> None:
@@ -121,8 +134,11 @@ def main() -> None:
         old_mod = importlib.import_module(export_revision(args.revision, Path(tmp)))
         new_mod = importlib.import_module("pztrain")
         print(f"this checkout against {args.revision}, {args.rounds} paired rounds")
-        print("| workload | per step (new/old speed) | fit (new/old speed) |")
-        print("|---|---|---|")
+        print(
+            "| workload | per step (new/old speed) | per step, CPU time "
+            "| fit (new/old speed) | fit, CPU time |"
+        )
+        print("|---|---|---|---|---|")
         for name in args.workloads.split(","):
             problem = sb.Problem(sb.WORKLOADS[name])
             per_step = paired(
@@ -137,7 +153,7 @@ def main() -> None:
                 args.rounds,
                 args.calls,
             )
-            print(f"| {name} | {per_step:.3f} | {fitted:.3f} |")
+            print(f"| {name} | {' | '.join(per_step)} | {' | '.join(fitted)} |")
 
 
 if __name__ == "__main__":

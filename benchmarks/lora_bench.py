@@ -2,7 +2,8 @@
 8 devices, and pztrain's LoRA step beside a hand-written one.
 
 Run: ``python benchmarks/lora_bench.py`` (``--quick``: fewer rounds; ``--width``:
-the model's width, 64 as in ``examples/char_lm.py``). It sets 8 simulated CPU
+the model's width, 64 as in ``examples/char_lm.py``; ``--import-only``: the import
+figures alone). It sets 8 simulated CPU
 devices before importing jax.
 
 * **Memory**: the example's model (char_lm's 2-block llama-like transformer) loaded
@@ -227,16 +228,25 @@ def step_ratio(state: pztrain.TrainState, rounds: int, calls: int) -> float:
     return statistics.median(t["hand"] / t["ours"] for t in times)
 
 
+def import_table(path: Path, config, rounds: int) -> None:
+    print("\nImport onto 8 devices")
+    for k, v in import_figures(path, config, rounds).items():
+        print(f"  {k}: {v:,.3f}" if isinstance(v, float) else f"  {k}: {v:,}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--import-only", action="store_true", help="the import alone")
     args = parser.parse_args()
     rounds, calls = (3, 5) if args.quick else (15, 30)
     config = config_of(args.width)
     print(f"jax {jax.__version__}, {jax.device_count()} devices, width {args.width}")
     with tempfile.TemporaryDirectory() as d:
         path = write_checkpoint(config, Path(d) / "ckpt")
+        if args.import_only:
+            return import_table(path, config, rounds)
         runs = states(path, config)
         rows = memory_table(runs)
         print("\nMemory (bytes)")
@@ -247,9 +257,7 @@ def main() -> None:
             )
         share = rows[1]["opt_state"] / rows[0]["opt_state"]
         print(f"  adapters' optimizer state / full's: {share:.2%} (target < 5%)")
-        print("\nImport onto 8 devices")
-        for k, v in import_figures(path, config, rounds).items():
-            print(f"  {k}: {v:,.3f}" if isinstance(v, float) else f"  {k}: {v:,}")
+        import_table(path, config, rounds)
         ratio = step_ratio(runs["LoRA r=8 (bf16 base)"], rounds, calls)
         print(
             f"\nLoRA step, pztrain / hand-written steps/s: {ratio:.3f} (target >= 0.95)"

@@ -5,25 +5,34 @@ member axis becomes record entries.
 A population is a `pztrain.TrainState` whose root key has a leading member axis
 ``K`` (one key per member), as have its params, optimizer and loss-function
 states and the arrays of ``model_without_params``; its ``step`` stays one scalar,
-since members step together. See `pztrain.population`.
+since members step together. See `pztrain.population`. Also: whether states
+can be the members of one population (`unlike`: the first difference, as a
+message) and which of their leaves are equal in every member.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from pztrain._tree import is_array, is_float_array
+from pztrain._tree import describe, is_array, is_float_array, structure_difference
 
 __all__ = [
+    "equal_arrays",
     "finite_members",
     "member_count",
     "member_key",
     "member_shape_note",
+    "same",
+    "shared_batch_sharding",
+    "shared_shape_note",
     "spread",
+    "unlike",
 ]
 
 
@@ -75,6 +84,34 @@ def member_shape_note(
             "pztrain.member(population, 0)); pztrain.stack_members stacks runs."
         )
     return None
+
+
+def shared_shape_note(stored: Any, wanted: Any) -> str:
+    """What to do when a stored state array and a target's differ only in
+    their member axis being 1 on one side (held once for every member, see
+    `pztrain.population.stack_members`) and ``K`` on the other, after a
+    space; else ``""``.
+
+    Example:
+      >>> shared_shape_note((1, 4, 3), (4, 4, 3))[:53]
+      ' The checkpoint holds this array once for every membe'
+      >>> shared_shape_note((2, 3), (4, 3))
+      ''
+    """
+    stored, wanted = tuple(stored), tuple(wanted)
+    if not stored or len(stored) != len(wanted) or stored[1:] != wanted[1:]:
+        return ""
+    if stored[0] == 1 < wanted[0]:
+        held = "once for every member, the target once per member"
+    elif wanted[0] == 1 < stored[0]:
+        held = "once per member, the target once for every member"
+    else:
+        return ""
+    return (
+        f" The checkpoint holds this array {held}: build the target population "
+        "as the saved one was, with or without make_population(..., "
+        "shared='model_without_params')."
+    )
 
 
 def member_key(name: str, i: int) -> str:
@@ -136,3 +173,95 @@ def finite_members(tree: Any, members: int) -> np.ndarray:
 def _finite_rows(arrays: list[jax.Array]) -> jax.Array:
     rows = [jnp.isfinite(x.reshape(x.shape[0], -1)).all(axis=1) for x in arrays]
     return jnp.stack(rows).all(axis=0)
+
+
+def shared_batch_sharding(state: Any, member_batches: bool) -> Any:
+    """Where ``fit`` puts a population's shared host batches: replicated on
+    the mesh its members are split over (`pztrain.population.shard_members`),
+    so that the step gets them there rather than moving them from the default
+    device each call; ``None`` otherwise (one run, one device, or a batch per
+    member)."""
+    sharding = getattr(state.root_rng, "sharding", None)
+    if member_batches or not isinstance(sharding, NamedSharding):
+        return None
+    if not sharding.spec or member_count(state.root_rng) is None:
+        return None
+    return NamedSharding(sharding.mesh, PartitionSpec())
+
+
+def equal_arrays(xs: Sequence[Any]) -> bool:
+    """Whether every array of ``xs`` is ``xs[0]`` or bitwise equal to it.
+
+    Example:
+      >>> import numpy as np
+      >>> a = np.ones(2)
+      >>> equal_arrays([a, np.ones(2)]), equal_arrays([a, np.zeros(2)])
+      (True, False)
+    """
+    first = np.asarray(xs[0])
+    return all(x is xs[0] or np.array_equal(np.asarray(x), first) for x in xs[1:])
+
+
+def same(xs: Sequence[Any]) -> bool:
+    """Whether every ``x`` is ``xs[0]`` or equal to it (not arrays)."""
+    try:
+        return all(x is xs[0] or bool(x == xs[0]) for x in xs)
+    except Exception:  # an == that is not a truth value
+        return False
+
+
+def unlike(states: Sequence[Any]) -> str | None:
+    """How a member differs from member 0 (naming the member and the leaf),
+    or ``None`` if they can form a population."""
+    first, first_def = jax.tree_util.tree_flatten_with_path(states[0])
+    for i, state in enumerate(states[1:], start=1):
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        if treedef != first_def:
+            where = structure_difference(states[0], state)
+            return (
+                f"Member {i}'s structure differs from member 0's at {where}. "
+                "Members of a population share everything but their arrays' "
+                "values (model structure, optimizer, loss-function state, "
+                "TrainState type)."
+            )
+        for (path, a), (_, b) in zip(first, leaves, strict=True):
+            problem = _leaf_unlike(i, path, a, b)
+            if problem:
+                return problem
+    steps = {int(s.step) for s in states}
+    if len(steps) > 1:
+        return (
+            f"Members are at different steps {sorted(steps)}: a population steps "
+            "together. Start them at one step (e.g. state.replace(step=...))."
+        )
+    return None
+
+
+def _leaf_unlike(i: int, path: Any, a: Any, b: Any) -> str | None:
+    """How member ``i``'s leaf ``b`` is unlike member 0's ``a``: arrays of
+    another shape or dtype, or a leaf that is not an array (a function, a
+    name) and differs, unless both are numbers (stacked, one per member)."""
+    where = f"Member {i} differs from member 0 at {jax.tree_util.keystr(path)}"
+    if is_array(a) and is_array(b):
+        if np.shape(a) != np.shape(b) or a.dtype != b.dtype:
+            return (
+                f"{where}: {describe(b)} against {describe(a)}. Members need "
+                "equal shapes and dtypes."
+            )
+        return None
+    if is_array(a) or is_array(b):
+        return (
+            f"{where}: {describe(b)} against {describe(a)}. Members need an array "
+            "where member 0 has one, and the same non-array leaves."
+        )
+    if not (same([a, b]) or (_number(a) and _number(b))):
+        return (
+            f"{where}: {b!r} against {a!r}. A leaf that is not an array (a "
+            "function, a name, a setting) is shared by every member; to vary it "
+            "per member, make it an array or an injected hyperparameter."
+        )
+    return None
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float | complex | np.number) and not isinstance(x, bool)

@@ -115,11 +115,9 @@ class MetricSums:
         one row of sums per member (a step maps over the rows). ``states``:
         metric name → the shapes of its state (`metric_state_shapes`; with the
         member axis for a population), made zeros."""
-        shape = (len(names) + 4,) if members is None else (members, len(names) + 4)
-        empty = np.zeros(shape, np.float32)
-        empty[..., -2:] = -1.0  # no non-finite step yet
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), states or {})
-        return cls(tuple(names), jnp.asarray(empty), zeros)
+        with jax.transfer_guard_host_to_device("allow"):  # asked for: fresh sums
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), states or {})
+            return cls(tuple(names), jnp.asarray(_empty(names, members)), zeros)
 
     def add(self, loss: jax.Array, aux: Any, step: jax.Array) -> MetricSums:
         """The sums with one step's loss and aux metrics added (traceable).
@@ -200,6 +198,14 @@ def _read_members(names: tuple[str, ...], packed: np.ndarray) -> Summary:
     return Summary(means, count, nonfinite, min(firsts, default=-1), lost)
 
 
+def _empty(names: Sequence[str], members: int | None) -> np.ndarray:
+    """The packed sums of no step (host)."""
+    shape = (len(names) + 4,) if members is None else (members, len(names) + 4)
+    empty = np.zeros(shape, np.float32)
+    empty[..., -2:] = -1.0  # no non-finite step yet
+    return empty
+
+
 def _fresh(sums: MetricSums) -> MetricSums:
     """Zero sums placed as ``sums`` are: on the devices of its rows (a
     population split over them with its members), committed to a device only
@@ -216,8 +222,9 @@ def _fresh(sums: MetricSums) -> MetricSums:
 def _placed_as(x: Any, like: jax.Array) -> jax.Array:
     """``x`` (host values) placed as ``like``; across processes, each
     process's shards of it."""
-    if not like.committed:
-        return jnp.asarray(x)
+    if not like.committed:  # made at a host point: an asked-for transfer
+        with jax.transfer_guard_host_to_device("allow"):
+            return jnp.asarray(x)
     if like.sharding.is_fully_addressable:
         return jax.device_put(x, like.sharding)
     x = np.asarray(x)

@@ -5,6 +5,9 @@ leaves carry a leading member axis ``K``: params, optimizer state (so injected
 hyperparameters such as the learning rate are one value per member),
 loss-function state, the arrays of ``model_without_params`` and the root key
 (one key per member). Its ``step`` stays one scalar: members step together.
+An array of ``model_without_params`` that every member shares (``K`` adapter
+sets over one frozen base: ``make_population(..., shared="model_without_params")``)
+is held once, with a member axis of 1: one copy in memory, read by every member.
 
 Why a `TrainState` and not a type around one: every pytree tool already takes
 it (orbax saves it, treescope shows it, ``jax.vmap`` of
@@ -58,8 +61,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from pztrain._members import member_count
-from pztrain._tree import describe, is_array, structure_difference
+from pztrain._members import equal_arrays, member_count, same, unlike
+from pztrain._tree import is_array
 from pztrain.state import TrainState
 
 __all__ = [
@@ -74,6 +77,8 @@ __all__ = [
 ]
 
 _STEP = jax.tree_util.GetAttrKey("step")
+_REST = jax.tree_util.GetAttrKey("model_without_params")
+_SHAREABLE = "model_without_params"
 
 
 class PopulationError(ValueError):
@@ -113,9 +118,19 @@ def population_size(state: TrainState) -> int | None:
     return member_count(state.root_rng)
 
 
-def stack_members(states: Sequence[TrainState]) -> TrainState:
+def stack_members(
+    states: Sequence[TrainState], *, shared: str | None = None
+) -> TrainState:
     """One population from ``K`` single states: every array stacked on a new
     leading member axis, the step kept (all members must be at the same step).
+
+    With ``shared="model_without_params"``, each array of
+    ``model_without_params`` that is the same in every member (the same object,
+    or bitwise equal: a frozen base under ``K`` adapter sets) is held once,
+    with a member axis of 1 instead of ``K`` copies (one copy in memory and
+    in checkpoints); the step reads it once for every member (``jax.vmap``
+    with ``in_axes=None``) and `member` gives it to every member.
+    Arrays of it that differ are stacked as usual.
 
     The population runs member 0's optimizer definition (each call of an optax
     constructor makes a new, equal object): what differs between members
@@ -123,9 +138,10 @@ def stack_members(states: Sequence[TrainState]) -> TrainState:
     in the optimizer state. Optimizers whose states differ are refused.
 
     Raises:
-      PopulationError: for no states, a population among them, or members whose
+      PopulationError: for no states, a population among them, members whose
         structure (model, optimizer, fields), leaf shapes or dtypes or step
-        differ from member 0's; the message names the member and the leaf.
+        differ from member 0's (the message names the member and the leaf), or
+        a ``shared`` that is not ``None`` or ``"model_without_params"``.
 
     Example:
       >>> from pztrain import stack_members
@@ -137,7 +153,29 @@ def stack_members(states: Sequence[TrainState]) -> TrainState:
       >>> pop.params["w"].tolist(), pop.step.shape
       ([[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]], ())
     """
+    states = _members_of(states, shared)
+    # One optimizer for all: each init call makes its own (equal) transformation.
+    optimizer_def = states[0].optimizer_def
+    states = [s.replace(optimizer_def=optimizer_def) for s in states]
+    problem = unlike(states)
+    if problem:
+        raise PopulationError(problem)
+    share = shared is not None and len(states) > 1
+    return jax.tree_util.tree_map_with_path(
+        lambda path, *xs: _stack(path, *xs, share=share), *states
+    )
+
+
+def _members_of(states: Sequence[TrainState], shared: str | None) -> list:
+    """``states`` as a list, refused if not single runs' states, or if
+    ``shared`` names what cannot be shared."""
     states = list(states)
+    if shared not in (None, _SHAREABLE):
+        raise PopulationError(
+            f"stack_members(shared={shared!r}): only {_SHAREABLE!r} can be "
+            "shared (the arrays of the model that no step changes); give "
+            f"shared={_SHAREABLE!r} or None."
+        )
     if not states:
         raise PopulationError("stack_members needs at least one state; got none.")
     for i, state in enumerate(states):
@@ -151,85 +189,20 @@ def stack_members(states: Sequence[TrainState]) -> TrainState:
                 "take it apart with members(state) first."
             )
         state.check_not_donated("stack_members")
-    # One optimizer for all: each init call makes its own (equal) transformation.
-    optimizer_def = states[0].optimizer_def
-    states = [s.replace(optimizer_def=optimizer_def) for s in states]
-    _check_alike(states)
-    return jax.tree_util.tree_map_with_path(_stack, *states)
+    return states
 
 
-def _stack(path: Any, *xs: Any) -> Any:
+def _stack(path: Any, *xs: Any, share: bool = False) -> Any:
     """One leaf of the population: the arrays stacked; the step, and a leaf
     that is not an array (a function, a name: the model's structure, static
     in the step as for one run) kept when equal in every member; numbers that
-    differ stacked, one per member."""
-    if path[0] == _STEP or (not is_array(xs[0]) and _same(xs)):
+    differ stacked, one per member; with ``share``, an array of the model
+    without params equal in every member held once (member axis 1)."""
+    if path[0] == _STEP or (not is_array(xs[0]) and same(xs)):
         return xs[0]
+    if share and path[0] == _REST and equal_arrays(xs):
+        return jnp.expand_dims(xs[0], 0)
     return jnp.stack(xs)
-
-
-def _same(xs: Sequence[Any]) -> bool:
-    """Whether every ``x`` is ``xs[0]`` or equal to it (not arrays)."""
-    try:
-        return all(x is xs[0] or bool(x == xs[0]) for x in xs)
-    except Exception:  # an == that is not a truth value
-        return False
-
-
-def _check_alike(states: list[TrainState]) -> None:
-    """Refuses members unlike member 0, naming the member and the leaf."""
-    first, first_def = _leaves(states[0])
-    steps = {int(s.step) for s in states}
-    for i, state in enumerate(states[1:], start=1):
-        leaves, treedef = _leaves(state)
-        if treedef != first_def:
-            where = structure_difference(states[0], state)
-            raise PopulationError(
-                f"Member {i}'s structure differs from member 0's at {where}. "
-                "Members of a population share everything but their arrays' "
-                "values (model structure, optimizer, loss-function state, "
-                "TrainState type)."
-            )
-        for (path, a), (_, b) in zip(first, leaves, strict=True):
-            _check_leaf(i, path, a, b)
-    if len(steps) > 1:
-        raise PopulationError(
-            f"Members are at different steps {sorted(steps)}: a population steps "
-            "together. Start them at one step (e.g. state.replace(step=...))."
-        )
-
-
-def _leaves(state: TrainState):
-    return jax.tree_util.tree_flatten_with_path(state)
-
-
-def _check_leaf(i: int, path: Any, a: Any, b: Any) -> None:
-    """Refuses member ``i``'s leaf ``b`` unlike member 0's ``a``: arrays of
-    another shape or dtype, or a leaf that is not an array (a function, a
-    name) and differs, unless both are numbers (stacked, one per member)."""
-    where = f"Member {i} differs from member 0 at {jax.tree_util.keystr(path)}"
-    if is_array(a) and is_array(b):
-        if np.shape(a) != np.shape(b) or a.dtype != b.dtype:
-            raise PopulationError(
-                f"{where}: {describe(b)} against {describe(a)}. Members need "
-                "equal shapes and dtypes."
-            )
-        return
-    if is_array(a) or is_array(b):
-        raise PopulationError(
-            f"{where}: {describe(b)} against {describe(a)}. Members need an array "
-            "where member 0 has one, and the same non-array leaves."
-        )
-    if not (_same([a, b]) or (_number(a) and _number(b))):
-        raise PopulationError(
-            f"{where}: {b!r} against {a!r}. A leaf that is not an array (a "
-            "function, a name, a setting) is shared by every member; to vary it "
-            "per member, make it an array or an injected hyperparameter."
-        )
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, int | float | complex | np.number) and not isinstance(x, bool)
 
 
 def member(state: TrainState, i: int) -> TrainState:
@@ -262,8 +235,15 @@ def member(state: TrainState, i: int) -> TrainState:
         )
     state.check_not_donated("member(state, i)")
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: x[i] if path[0] != _STEP and is_array(x) else x, state
+        lambda path, x: _row(x, i) if path[0] != _STEP and is_array(x) else x,
+        state,
     )
+
+
+def _row(x: Any, i: int) -> Any:
+    """Member ``i``'s slice of ``x``; the one row of an array shared by every
+    member (a member axis of 1, see `stack_members`)."""
+    return x[0] if np.shape(x)[0] == 1 else x[i]
 
 
 def members(state: TrainState) -> list[TrainState]:
@@ -297,6 +277,7 @@ def make_population(
     init: Callable[[int], TrainState],
     *,
     seeds: Iterable[int],
+    shared: str | None = None,
     **hyperparams: Any,
 ) -> TrainState:
     """A population: member ``i`` is ``init(seeds[i])``, with per-member values
@@ -311,6 +292,10 @@ def make_population(
     Args:
       init: ``seed -> TrainState``.
       seeds: One seed (a Python int) per member.
+      shared: ``"model_without_params"`` to hold each of its arrays that is
+        the same in every member once (e.g. ``K`` adapter sets over one frozen
+        base: one copy of the base), as `stack_members` does; ``None`` (the
+        default) stacks every array.
       **hyperparams: Name → one value per member (a list or a 1-D array).
 
     Returns:
@@ -341,7 +326,7 @@ def make_population(
                 f"Hyperparameter {name!r} needs one value per member ({len(seeds)} "
                 f"seeds); got {np.shape(values)} values."
             )
-    population = stack_members([init(seed) for seed in seeds])
+    population = stack_members([init(seed) for seed in seeds], shared=shared)
     if not hyperparams:
         return population
     return set_member_hyperparams(population, **hyperparams)
@@ -428,8 +413,8 @@ def shard_members(state: TrainState, mesh: Mesh, axis: str = "members") -> Train
     def place(path, x):
         if not is_array(x):  # the model's structure (a function, a name)
             return x
-        if path[0] == _STEP or np.ndim(x) == 0:
-            return jax.device_put(x, whole)
+        if path[0] == _STEP or np.ndim(x) == 0 or (size > 1 and x.shape[0] == 1):
+            return jax.device_put(x, whole)  # shared by every member: replicated
         return jax.device_put(x, split)
 
     return jax.tree_util.tree_map_with_path(place, state)

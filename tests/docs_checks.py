@@ -50,9 +50,10 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
             'next(again.iter_from_step(30))["y"])',
         ),
         (
-            "records = pztrain.data.BulkSource(grain.sources.ArrayRecordDataSource("
-            '["digits.array_record"]))',
-            "assert loader.steps_per_epoch == len(x) // 64",
+            "examples = grain.MapDataset.source(source).map(decode_one)",
+            "assert loader.steps_per_epoch == len(x) // 64\n"
+            'np.testing.assert_array_equal(loader.batch_at(5)["x"], '
+            "x[loader.example_ids(5)])",
         ),
         (
             "noise = np.stack([np.random.default_rng(p).normal(0, 0.01, 64) "
@@ -180,6 +181,15 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
             "np.testing.assert_array_equal(w, head)",
         ),
         ("print(found.line())", 'assert "mlp/Affine_1/Linear.weights" in found.line()'),
+    ],
+    "finetuning.md": [
+        (
+            'pop = pztrain.make_population(adapters, seeds=range(4), shared="model_',
+            "one_base = nbytes(adapters(0).model_without_params)\n"
+            "assert nbytes(pop.model_without_params) == one_base\n"
+            "assert all(x.shape[0] == 4 for x in pop.params.values())\n"
+            "assert int(pop.step) == 10",
+        ),
     ],
     "populations.md": [
         (
@@ -498,6 +508,19 @@ NOTEBOOK_CHECKS = {
             'jnp.asarray(test["x"])), -1))',
             'assert abs(final["classes/f1"] - whole_set) < 1e-9',
         )
+    ],
+    "11_finetuning.ipynb": [
+        (
+            "best = min(range(4), key=lambda i:",
+            "one_run = nbytes(adapters(0).model_without_params)\n"
+            "assert nbytes(pop.model_without_params) == one_run\n"
+            "assert int(pop.step) == 20 and pztrain.population_size(pop) == 4",
+        ),
+        (
+            "one = pztrain.member(pop, best)",
+            'assert "adapter_config.json" in written and "config.json" in written\n'
+            "assert not work.exists()",
+        ),
     ],
 }
 

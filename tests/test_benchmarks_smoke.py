@@ -98,8 +98,17 @@ def test_population_benchmark_quick_mode_completes():
         assert f"### {section}:" in out
     for column in ("K separate pztrain runs", "pztrain population", "pztrain.fit"):
         assert f"| {column} |" in out
+    assert "| minimal hand-written jit(vmap): no counter, no keys |" in out
     assert "### Memory of the population step" in out
     assert "### Targets" in out and "population / separate" in out
+    assert "population / hand_min" in out
+
+
+def test_population_cpu_benchmark_completes():
+    args = ("W0", "4", "--rounds", "4", "--calls", "3")
+    out = _run("benchmarks/population_cpu.py", *args, timeout=300)
+    for column in ("hand_min", "population", "population_no_aux"):
+        assert f"| {column} |" in out
 
 
 def test_lora_benchmark_quick_mode_completes():

@@ -316,3 +316,27 @@ def test_a_penzai_v1_model_round_trips(tmp_path):
     export_pretrained(tmp_path / "out", model, mapping)
     out = safetensors.numpy.load_file(str(tmp_path / "out/model.safetensors"))
     assert all(out[n].tobytes() == x.tobytes() for n, x in tensors.items())
+
+
+def test_a_frozen_penzai_models_params_are_named_and_put_back_as_split_does(llama):
+    from penzai import pz
+
+    from pztrain import partition
+    from pztrain.finetune._load import model_params
+
+    skeleton = abstract_llama()
+    named, rebuild = model_params(skeleton)  # one pass over a frozen model
+    assert named.keys() == partition.split(skeleton, frozen=True)[0].keys()
+    model, _ = load_pretrained(llama[0], skeleton, MAPPING)
+    frozen = pz.freeze_params(model)
+    named, rebuild = model_params(frozen)
+    params, rest = partition.split(frozen, frozen=True)
+    assert named.keys() == params.keys()
+    new = {k: x + 1 for k, x in named.items()}
+    fast = rebuild(new)
+    slow = partition.to_user_model(partition.merge(new, rest))
+    a, b = pz.unbind_params(fast, freeze=True), pz.unbind_params(slow, freeze=True)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert isinstance(fast.body.sublayers[0], type(slow.body.sublayers[0]))

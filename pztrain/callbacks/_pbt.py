@@ -249,9 +249,12 @@ def _exploit(state: TrainState, sources: np.ndarray) -> TrainState:
 
 
 def _take(x: Any, index: jax.Array) -> Any:
-    """Member ``index[i]``'s slice of ``x`` as member ``i``'s (a population's
-    arrays all carry the member axis)."""
-    return jnp.take(x, index, axis=0) if isinstance(x, jax.Array) else x
+    """Member ``index[i]``'s slice of ``x`` as member ``i``'s; an array held
+    once for every member (a member axis of 1: `pztrain.stack_members`'s
+    ``shared``) is every member's already, and is kept."""
+    if not isinstance(x, jax.Array) or (x.shape[0] == 1 < index.shape[0]):
+        return x
+    return jnp.take(x, index, axis=0)
 
 
 def _explore(state: TrainState, sources: np.ndarray, factors: dict) -> TrainState:

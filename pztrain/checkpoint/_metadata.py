@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pztrain._members import member_shape_note
+from pztrain._members import member_shape_note, shared_shape_note
 from pztrain._tree import describe, describe_shape, is_array
 
 __all__ = [
@@ -414,7 +414,7 @@ def check_state(
         if (list(np.shape(x)), str(x.dtype)) != (shape, dtype):
             raise CheckpointMismatchError(
                 f"State array {p} in {path} is {describe_shape(shape, dtype)}, but "
-                f"the target expects {describe(x)}."
+                f"the target expects {describe(x)}.{shared_shape_note(shape, x.shape)}"
             )
 
 

@@ -14,10 +14,21 @@ has:
   (`pztrain.data._array_record`);
 * a NumPy array such as a memory-mapped ``.npy`` file: fancy indexing;
 * any other source: its ``__getitems__`` if it has one, else ``[i]`` per record.
+
+A pipeline written as grain teaches it, ``grain.MapDataset.source(source)
+.map(decode)``, reads through grain's batched chain (``_getitems``: each
+transformation takes its parent's batch and maps it example by example) down
+to its source, which grain then reads a record per call unless the source has
+grain's own batched read (``ArrayRecordDataSource`` has ``__getitems__``, not
+grain's ``_getitems``). `read_in_batches` gives `pztrain.GrainLoader` the same
+pipeline over ``BulkSource(source)``: the user's nodes copied and re-linked,
+the user's dataset left as it was (and grain's per-record read metrics left
+out, as for a source given directly).
 """
 
 from __future__ import annotations
 
+import copy
 import mmap
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -27,9 +38,30 @@ import numpy as np
 from pztrain.data._array_record import ArrayRecordFiles
 from pztrain.data._arrow import ArrowColumns
 from pztrain.data._batch import BatchError
-from pztrain.data._extras import loaded
+from pztrain.data._extras import import_extra, loaded
 
-__all__ = ["BulkSource", "is_hf_dataset"]
+__all__ = ["BulkSource", "is_hf_dataset", "read_in_batches"]
+
+# grain's transformations that pass a batched read down to their one parent
+# and hold it only as their parent: a copy re-links to another parent.
+_RELINKED = frozenset(
+    {
+        "MapMapDataset",
+        "RandomMapMapDataset",
+        "MapWithIndexMapDataset",
+        "FilterMapDataset",
+        "ShuffleMapDataset",
+        "SliceMapDataset",
+        "RepeatMapDataset",
+        "_WithSeedMapDataset",
+    }
+)
+
+_FIX = (
+    "To read it a batch at a time, build the pipeline on "
+    "grain.MapDataset.source(pztrain.data.BulkSource(source)) and put its "
+    "steps in grain's .map, .random_map, .map_with_index or .filter."
+)
 
 
 def is_hf_dataset(data: Any) -> bool:
@@ -44,7 +76,8 @@ class BulkSource:
     """A random-access data source for grain, read a batch at a time.
 
     Use it as ``grain.MapDataset.source(BulkSource(source))``; `pztrain.GrainLoader`
-    wraps a source it is given directly in one.
+    wraps a source it is given directly in one, and reads a pipeline built on
+    ``grain.MapDataset.source(source)`` as if built on one (`read_in_batches`).
 
     Args:
       source: A Hugging Face ``datasets.Dataset`` with a NumPy format (rows
@@ -97,6 +130,16 @@ class BulkSource:
             return self.source.__getitems__(keys.tolist())
         return [self.source[i] for i in keys.tolist()]
 
+    @property
+    def batched(self) -> bool:
+        """Whether `read` reads the records in one call (else ``[i]`` each)."""
+        return (
+            self._fast is not None
+            or self._hf
+            or isinstance(self.source, np.ndarray)
+            or hasattr(self.source, "__getitems__")
+        )
+
     def _getitems(self, indices: Sequence[int]) -> Sequence[Any]:
         """grain's batched read: the records at ``indices``, as a list."""
         got = self.read(indices)
@@ -123,6 +166,101 @@ class BulkSource:
         if isinstance(state["source"], _MappedFile):
             state["source"] = state["source"].open()
         self.__dict__.update(state)
+
+
+def read_in_batches(dataset: Any) -> tuple[Any, str | None]:
+    """A grain ``MapDataset`` read a batch at a time, or why it cannot be.
+
+    Returns ``(pipeline, reason)``. A chain of grain's own transformations
+    (``.map``, ``.random_map``, ``.map_with_index``, ``.filter``,
+    ``.shuffle``, ``.slice``, ``.repeat``, ``.seed``) over a data source that
+    grain reads a record per call but `BulkSource` reads in batches comes back
+    copied onto ``grain.MapDataset.source(BulkSource(source))``: the same
+    transformations, seeds and indices, so the same example at every index.
+    Otherwise ``dataset`` itself, with ``reason`` ``None`` if it reads in
+    batches already or has nothing to gain (a range, a list in memory), else
+    what makes grain read it a record per call, and the fix.
+
+    Example:
+      >>> import grain, numpy as np
+      >>> from pztrain.data._bulk import read_in_batches
+      >>> records = np.arange(4) * 10  # grain reads it [i] by [i]
+      >>> ds = grain.MapDataset.source(records).map(lambda r: r + 1)
+      >>> batched, reason = read_in_batches(ds)
+      >>> print(batched.parents[0], reason)
+      SourceMapDataset(source=BulkSource) None
+      >>> batched._getitems([1, 6]), ds._getitems([1, 6])
+      ([np.int64(11), np.int64(21)], [np.int64(11), np.int64(21)])
+    """
+    chain = [dataset]
+    while len(chain[-1].parents) == 1:
+        chain.append(chain[-1].parents[0])
+    root = chain[-1]
+    if root.parents:  # mix, zip, concatenate
+        return dataset, _several(root)
+    if not _grain_node(root, {"SourceMapDataset"}):
+        return dataset, None  # computed (a range, the user's own dataset)
+    bulk, reason = _bulk_of(root._source)  # grain's field: the data source
+    if bulk is None:
+        return dataset, reason
+    for node in chain[:-1]:
+        if not _grain_node(node, _RELINKED):
+            return dataset, (
+                f"{node} ({type(node).__name__}) is not one of grain's own "
+                f"transformations, which pztrain copies onto a batched read. {_FIX}"
+            )
+    parent = import_extra("grain").MapDataset.source(bulk)
+    # grain's field: a source node records a histogram sample and sizes every
+    # record of a read (prometheus_client, which orbax brings: a fifth of this
+    # read's CPU); pztrain reads the source itself here, as it does a source
+    # given directly, which grain's metrics do not see either.
+    parent._record_metrics = False
+    for node in reversed(chain[:-1]):
+        node = copy.copy(node)  # the user's node stays on the user's pipeline
+        node.__dict__.pop("_stats", None)  # grain's statistics: made anew
+        node._parents = (parent,)  # grain's field: its one parent
+        parent = node
+    return parent, None
+
+
+def _grain_node(node: Any, names: set[str] | frozenset[str]) -> bool:
+    kind = type(node)
+    return kind.__name__ in names and kind.__module__.startswith("grain.")
+
+
+def _bulk_of(source: Any) -> tuple[BulkSource | None, str | None]:
+    """``source`` read through a `BulkSource` if that reads it in batches and
+    grain would not; else ``None`` and what stands in the way (``None`` if
+    nothing is lost: grain's batched read, a sequence in memory)."""
+    if hasattr(source, "_getitems") or isinstance(source, Sequence):
+        return None, None
+    try:
+        bulk = BulkSource(source)
+    except BatchError as e:
+        return None, str(e)
+    if bulk.batched:
+        return bulk, None
+    return None, (
+        f"its data source, a {type(source).__name__}, reads one record per call: "
+        "give it a __getitems__(indices) method that reads them in one call."
+    )
+
+
+def _several(node: Any) -> str | None:
+    """Why a dataset over several datasets (mix, zip, concatenate) is read a
+    record per call, if a source below it could be read in batches."""
+    todo, sources = [node], []
+    while todo:
+        d = todo.pop()
+        todo.extend(d.parents)
+        if _grain_node(d, {"SourceMapDataset"}):
+            sources.append(d._source)  # grain's field: the data source
+    if not any(_bulk_of(s) != (None, None) for s in sources):
+        return None
+    return (
+        f"it combines several datasets ({node}), and pztrain copies single "
+        f"chains only onto a batched read. {_FIX.replace('the pipeline', 'each')}"
+    )
 
 
 def _fast_reader(source: Any) -> ArrowColumns | ArrayRecordFiles | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +22,7 @@ from jax.sharding import NamedSharding
 
 from pztrain.data._batch import BatchError
 from pztrain.data._blocks import StepBlocks, block_steps
-from pztrain.data._bulk import BulkSource
+from pztrain.data._bulk import BulkSource, read_in_batches
 from pztrain.data._extras import import_extra, quiet_grain_flags, worker_init
 from pztrain.data._order import ORDERS
 from pztrain.data._placement import check_loader_sharding, host_rows
@@ -68,7 +69,10 @@ class GrainLoader(StepLoader):
         views of its memory-mapped columns; or a ``grain.MapDataset`` of
         examples (flat dicts of arrays), or one ending in
         ``.batch(batch_size)`` (read as its examples, so that each process
-        reads only its rows), its ``.map`` run per example.
+        reads only its rows), its ``.map`` run per example. Its data source
+        is read a batch of records per call (a copy of the pipeline built on
+        a `pztrain.data.BulkSource`, the same examples at every index); a
+        warning, once, says why when it cannot be, and the fix.
       batch_size: The global batch (over all devices and processes); read
         from the dataset's ``.batch(...)`` if ``None``.
       shuffle: Shuffle each epoch. Either way, the dataset is read at index
@@ -162,6 +166,7 @@ class GrainLoader(StepLoader):
     ):
         grain = import_extra("grain")
         examples, batched = _examples(grain, dataset)
+        examples = _batched_reads(grain, examples)
         batch_size = _batch_size(batch_size, batched)
         n = _length(examples, batch_size)
         _check_options(seed, workers, worker_buffer)
@@ -347,6 +352,21 @@ def _examples(grain: Any, dataset: Any) -> tuple[Any, Any]:
             "or drop .batch."
         )
     return dataset.parents[0], dataset
+
+
+def _batched_reads(grain: Any, examples: Any) -> Any:
+    """A grain pipeline as read a batch of records per call (its source
+    through a `BulkSource`), or as it is with a warning saying why not."""
+    if not isinstance(examples, grain.MapDataset):
+        return examples
+    pipeline, reason = read_in_batches(examples)
+    if reason is not None:
+        warnings.warn(
+            f"GrainLoader reads {examples} one record per call: {reason}",
+            UserWarning,
+            stacklevel=3,
+        )
+    return pipeline
 
 
 def _chain(dataset: Any) -> list[Any]:

@@ -15,7 +15,7 @@ import numpy as np
 
 from pztrain import partition
 from pztrain._table import text_table
-from pztrain._tree import is_array_like, named_leaves
+from pztrain._tree import is_array_like, is_float_array, named_leaves
 from pztrain.finetune._hf import checkpoint_files
 from pztrain.finetune._mapping import Entry, MappingError, WeightMapping, plan_import
 from pztrain.finetune._transforms import read_plan, to_target
@@ -76,8 +76,62 @@ def model_params(like: Any) -> tuple[dict[str, Any], Callable[[dict[str, Any]], 
         named = dict(named_leaves(like))
         treedef = jax.tree.structure(like)
         return named, lambda p: treedef.unflatten([p[n] for n in named])
+    fast = _frozen_penzai_params(like)
+    if fast is not None:
+        return fast
     params, rest = partition.split(like, frozen=True)
     return params, lambda p: partition.to_user_model(partition.merge(p, rest))
+
+
+def _frozen_penzai_params(like: Any) -> tuple[dict[str, Any], Callable] | None:
+    """`model_params` of a penzai v2 model whose variables are all frozen (a
+    skeleton, a frozen model) in one flatten and one unflatten, the same names
+    and model as `pztrain.partition.split` then ``to_user_model`` give (those
+    take several passes over the tree: most of a small import's fixed cost);
+    ``None`` for any other model, or a parameter holding several arrays."""
+    pz_vars = _penzai_variables()
+    if pz_vars is None:
+        return None
+    kinds = pz_vars.AbstractVariableValue | pz_vars.AbstractVariable
+    is_var = lambda x: isinstance(x, kinds)  # noqa: E731
+    leaves, treedef = jax.tree_util.tree_flatten(like, is_leaf=is_var)
+    values = [x for x in leaves if is_var(x)]
+    if not values or any(isinstance(x, pz_vars.AbstractVariable) for x in values):
+        return None
+    named, value_defs = {}, {}
+    for x in values:
+        if isinstance(x, pz_vars.ParameterValue) and x.metadata.get("trainable", True):
+            arrays, value_def = jax.tree.flatten(x.value)
+            label = str(x.label)
+            if len(arrays) != 1 or named.get(label, arrays[0]) is not arrays[0]:
+                return None  # split names several arrays, or refuses a conflict
+            if is_float_array(arrays[0]):
+                named[label], value_defs[label] = arrays[0], value_def
+
+    def rebuild(new: dict[str, Any]) -> Any:
+        made: dict[Any, Any] = {}  # one variable per slot: shared ones stay shared
+        for x in values:
+            slot = x.get_slot()
+            if slot in made:
+                continue
+            label = str(x.label) if isinstance(x, pz_vars.ParameterValue) else None
+            if label in value_defs:
+                value = value_defs[label].unflatten([new[label]])
+                x = dataclasses.replace(x, value=value)
+            made[slot] = x.unfreeze_as_copy()
+        return treedef.unflatten(
+            [made[x.get_slot()] if is_var(x) else x for x in leaves]
+        )
+
+    return named, rebuild
+
+
+def _penzai_variables() -> Any:
+    try:
+        from penzai.core import variables
+    except ImportError:  # penzai is not installed: no penzai model either
+        return None
+    return variables
 
 
 def load_pretrained(
@@ -92,8 +146,8 @@ def load_pretrained(
     """Reads a checkpoint in Hugging Face's layout into a model like ``like``.
 
     Every name, shape and dtype is checked against ``mapping`` before any tensor
-    is read. Each array goes onto its sharding, each process reading (sliced) only
-    the box of each tensor its devices hold, once. Needs ``pztrain[safetensors]``.
+    is read. Each array goes onto its sharding; each process reads (sliced reads)
+    only the box of each tensor its devices hold, once (``pztrain[safetensors]``).
 
     Args:
       path: A directory holding ``model.safetensors`` or shards and

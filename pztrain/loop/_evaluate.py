@@ -10,7 +10,7 @@ from pztrain._tree import named_leaves
 from pztrain.data import eval_batches
 from pztrain.data._batch import BatchError, check_batch
 from pztrain.data._kinds import as_fit_data
-from pztrain.loop._hooks import host_reads
+from pztrain.loop._hooks import eval_inputs, host_reads
 from pztrain.loop._signals import StopFlag, stop_signals
 from pztrain.metric_states import is_metric_state
 from pztrain.metrics import EvalSums
@@ -96,12 +96,13 @@ def evaluate_until(
     data = as_fit_data(data, "data", train=False)
     sums = EvalSums(member_count(state.root_rng))
     per_member = sums.members if getattr(eval_step, "member_batches", 0) else None
-    for batch in eval_batches(data):  # every example once; on a mesh, placed
-        if flag.requested:
-            return None
-        n = check_batch(batch, members=per_member)  # a member's (global) batch
-        values = run(batch)
-        sums = sums.add(values, n)  # metric states merged, the rest weighted by n
+    with eval_inputs():  # host batches and weights, moved by jit and jnp
+        for batch in eval_batches(data):  # every example once; on a mesh, placed
+            if flag.requested:
+                return None
+            n = check_batch(batch, members=per_member)  # a member's (global) batch
+            values = run(batch)
+            sums = sums.add(values, n)  # metric states merged, the rest weighted
     if sums.total == 0:
         raise BatchError("evaluate got no batches: the eval data is empty.")
     with host_reads():  # a population's: per member, and more

@@ -20,10 +20,11 @@ from typing import Any
 
 import jax
 
+from pztrain._members import shared_batch_sharding
 from pztrain.callbacks import Callback, ProgressBar
 from pztrain.checkpoint import Checkpoints
 from pztrain.checkpoint._lock import locked
-from pztrain.data import StepLoader
+from pztrain.data import ArrayLoader, StepLoader
 from pztrain.loggers import JsonlLogger, Logger
 from pztrain.loop._arguments import FitArguments
 from pztrain.loop._evaluations import EvalRunner, Evaluation, cadence_of
@@ -406,10 +407,18 @@ def _default_loggers(run_dir, start: int, resumed: bool, given) -> list[Logger]:
 
 def _source(args: FitArguments, schedule: Schedule) -> BatchSource:
     """The run's batches from its first step, where the step wants them
-    (``batch_sharding``; ``None``: the default device)."""
+    (``batch_sharding``; a population split over devices: replicated on its
+    mesh; ``None``: the default device)."""
     sharding = getattr(args.train_step, "batch_sharding", None)
+    if sharding is None and not _on_device(args.train_data):
+        per_member = getattr(args.train_step, "member_batches", False)
+        sharding = shared_batch_sharding(args.state, per_member)
     k = schedule.steps_per_call
     return batch_source(args.train_data, schedule.start, k, args.prefetch, sharding)
+
+
+def _on_device(train_data: Any) -> bool:
+    return isinstance(train_data, ArrayLoader) and train_data.on_device
 
 
 def _epoch_length(train_data: Any) -> int | None:

@@ -7,6 +7,7 @@ runs the whole list in that order.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from pztrain.loggers._media import log_media
 from pztrain.records import History, Stop
 from pztrain.state import TrainState
 
-__all__ = ["Hooks", "RecordLog", "host_reads"]
+__all__ = ["Hooks", "RecordLog", "eval_inputs", "host_reads"]
 
 
 def host_reads() -> Any:
@@ -32,6 +33,28 @@ def host_reads() -> Any:
     syncs.
     """
     return jax.transfer_guard_device_to_host("allow")
+
+
+def eval_inputs() -> Any:
+    """The context of an evaluation's batches (an eval point): host→device and
+    device→device transfers allowed (jit moves host batches, the sums take
+    their weights and gather the values of a mesh); reads stay guarded.
+
+    Everything else the loop moves to the device it moves explicitly
+    (``jax.device_put``), so a run under ``jax.transfer_guard("disallow")``
+    proves that nothing moves implicitly between host points.
+    """
+    return _EvalTransfers()
+
+
+class _EvalTransfers(contextlib.ExitStack):
+    """Host→device and device→device transfers allowed (reads stay guarded)."""
+
+    def __enter__(self):
+        stack = super().__enter__()
+        stack.enter_context(jax.transfer_guard_host_to_device("allow"))
+        stack.enter_context(jax.transfer_guard_device_to_device("allow"))
+        return stack
 
 
 class Hooks:

@@ -8,10 +8,12 @@ member or, with ``member_batches``, one per member (a leading axis ``K``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -23,6 +25,7 @@ from pztrain.step._types import Carry, Inputs
 __all__ = [
     "PinnedMembers",
     "check_counter",
+    "counted_after",
     "one_member",
     "over_members",
     "placed_as_members",
@@ -36,22 +39,56 @@ def over_members(
     members: int,
     member_batches: bool,
     train: bool = False,
+    spread: bool = False,
 ) -> Callable[[Carry, Inputs], Any]:
     """``run`` (``(carry, inputs) -> out``) for ``members`` members at once.
 
     A train function's outputs (``(carry, new_rest, aux)``) keep the shared
-    step counter; any other function's outputs all get the member axis.
+    step counter, counted after the members' update unless they are
+    ``spread`` over devices (`counted_after`); any other function's outputs
+    all get the member axis.
     """
-    in_axes = (_CARRY_AXES, Inputs(0, 0, 0 if member_batches else None))
+    batch_axis = 0 if member_batches else None
     out_axes = (_CARRY_AXES, 0, 0) if train else 0
-    mapped = jax.vmap(run, in_axes=in_axes, out_axes=out_axes)
 
     def population_run(carry: Carry, inputs: Inputs) -> Any:
         if member_batches:
             check_member_batch(inputs.batch, members)
-        return mapped(carry, inputs)
+        # An array of the rest with a member axis of 1 is shared by every
+        # member (`pztrain.population.stack_members`): read once, not mapped.
+        shared = [members > 1 and np.shape(x)[:1] == (1,) for x in inputs.rest]
+        rest = [x[0] if s else x for x, s in zip(inputs.rest, shared, strict=True)]
+        rest_axes = [None if s else 0 for s in shared]
+        in_axes = (_CARRY_AXES, Inputs(0, rest_axes, batch_axis))
+        mapped = jax.vmap(run, in_axes=in_axes, out_axes=out_axes)
+        out = mapped(carry, inputs._replace(rest=rest))
+        if not train or spread:
+            return out
+        return (counted_after(out[0]), *out[1:])
 
     return population_run
+
+
+def counted_after(carry: Carry) -> Carry:
+    """``carry`` whose step counter is computed after its params' update.
+
+    XLA:CPU runs a program's thunks as a graph and, whenever more than 8 are
+    ready at once, hands half of them to another thread (a wake-up that costs
+    more than a small program's work). A population's step has, besides the
+    user's loss, a ready thunk per parameter copy and optimizer count; the
+    shared counter's ``step + 1`` made one too many with a loss in the aux
+    (W0, K=16: 10 ready at the start against 9 for a hand-written
+    ``jit(vmap(step))``; the call took 1.45x its time, in worker threads).
+    Adding a zero read from the first updated param (``min(isnan(x), 0)``,
+    which XLA cannot fold) makes the increment wait for the update. Not
+    done when the members are spread over devices: that read would cross
+    them.
+    """
+    leaves = jax.tree.leaves(carry.params)
+    if not leaves or not jnp.issubdtype(leaves[0].dtype, jnp.inexact):
+        return carry
+    late = jnp.isnan(leaves[0].ravel()[0]).astype(carry.step.dtype)
+    return dataclasses.replace(carry, step=carry.step + jnp.minimum(late, 0))
 
 
 def check_member_batch(batch: Any, members: int) -> None:
@@ -152,10 +189,9 @@ class PinnedMembers:
 
 
 def _shardings(tree: Any) -> list[Any]:
-    """Each leaf's `NamedSharding` (``None`` for any other placement)."""
-    leaves = jax.tree.leaves(tree)
-    named = [getattr(x, "sharding", None) for x in leaves]
-    return [s if isinstance(s, NamedSharding) else None for s in named]
+    """Each leaf's ``(NamedSharding, shape)`` (``None`` for any other placement)."""
+    named = [(getattr(x, "sharding", None), np.shape(x)) for x in jax.tree.leaves(tree)]
+    return [pin if isinstance(pin[0], NamedSharding) else None for pin in named]
 
 
 def _pinned(fn: Callable[..., Any], carry_pins: list, rest_pins: list):
@@ -166,8 +202,10 @@ def _pinned(fn: Callable[..., Any], carry_pins: list, rest_pins: list):
         if len(leaves) != len(pins):  # another structure (sums made in the call)
             return tree
         kept = [
-            x if s is None else jax.lax.with_sharding_constraint(x, s)
-            for x, s in zip(leaves, pins, strict=True)
+            x
+            if p is None or x.shape != p[1]
+            else jax.lax.with_sharding_constraint(x, p[0])
+            for x, p in zip(leaves, pins, strict=True)
         ]
         return jax.tree.unflatten(treedef, kept)
 

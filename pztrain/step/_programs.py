@@ -56,7 +56,7 @@ class Programs:
             return last[3]
         spec, arrays = split_rest(rest)
         data, impl = key_data(root_rng)
-        static = Static(spec, impl, member_count(root_rng))
+        static = Static(spec, impl, member_count(root_rng), _spread(root_rng))
         key = (static, optimizer_def)
         if key not in self._built:
             self._built[key] = self._build(static, optimizer_def)
@@ -156,7 +156,9 @@ def train_programs(
             "without mesh=; the program follows the members' placement."
         )
     if static.members is not None:  # a population: one program for all
-        train = over_members(train, static.members, member_batches, train=True)
+        train = over_members(
+            train, static.members, member_batches, train=True, spread=static.spread
+        )
         grads = over_members(grads, static.members, member_batches)
         aux = over_members(aux, static.members, member_batches)
     step = _fns.flat(train)
@@ -172,6 +174,12 @@ def train_programs(
         step = PinnedMembers(step, options)  # outputs split as the members are
         return TrainPrograms(step, lambda: jax.jit(grads), aux)
     return TrainPrograms(jax.jit(step, **options), lambda: jax.jit(grads), aux)
+
+
+def _spread(root_rng: Any) -> bool:
+    """Whether a state's arrays (its root key's) lie on several devices."""
+    sharding = getattr(root_rng, "sharding", None)
+    return sharding is not None and len(sharding.device_set) > 1
 
 
 def jit_options(

@@ -3,10 +3,9 @@
 `build_train_step` returns a `TrainStep`, callable as ``(state, **batch) -> (state,
 aux)``. One call runs one jitted function (`pztrain.step._fns.train_fn`) on two
 named pytrees: a ``Carry`` (step, params, optimizer and loss-function states,
-optional metric sums), donated by name, and ``Inputs`` (key, the arrays of
-``model_without_params``, batch). The model's static structure is split off
-once per ``model_without_params`` object (`pztrain.partition.split_rest`) and
-closed over, so a penzai model's Python-level flattening is not paid per call.
+optional metric sums), donated, and ``Inputs`` (key, ``model_without_params``'s
+arrays, batch). The model's static structure is split off once per
+``model_without_params`` (`pztrain.partition.split_rest`) and closed over.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import Any
 
 import jax
 from jax.core import Tracer
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pztrain._members import member_count
 from pztrain.metrics import MetricSums, metric_names, metric_state_shapes
@@ -332,8 +331,7 @@ class TrainStep:
 
         The metric names come from tracing the loss function once, forward only
         (``jax.eval_shape``); nothing runs on the device. An error of the loss
-        function carries the note a call's would (the batch's and params'
-        shapes), so `pztrain.fit`'s first batch fails as a call does.
+        carries a call's note, so `pztrain.fit`'s first batch fails as a call does.
         """
         given = batch = one_batch(batch, arrays)
         if not isinstance(batch, Mapping):
@@ -359,6 +357,9 @@ class TrainStep:
             names[key] = (scalars, metric_state_shapes(aux))
         scalars, states = names[key]
         sums = MetricSums.zeros(scalars, members, states)
+        replicated = self.mesh and NamedSharding(self.mesh, PartitionSpec())
+        if members is None and replicated and replicated.is_fully_addressable:
+            return jax.device_put(sums, replicated)  # across processes: the step's
         return placed_as_members(sums, state.root_rng)
 
     def compute_grads(self, state: TrainState, **batch: Any) -> StepOutputs:

@@ -137,11 +137,14 @@ class Static:
         ``None`` for a legacy ``uint32`` key (``jax.random.PRNGKey``).
       members: A population's member count (the root key's leading axis), or
         ``None`` for one run: the programs then map over the members.
+      spread: Whether the population's members are split over several
+        devices (`pztrain.population.shard_members`).
     """
 
     rest: RestSpec
     key_impl: str | None
     members: int | None = None
+    spread: bool = False
 
     def root_rng(self, data: jax.Array) -> jax.Array:
         """The root key, from the raw data that crossed ``jax.jit``."""
