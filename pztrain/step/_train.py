@@ -337,11 +337,9 @@ class TrainStep:
         if not isinstance(batch, Mapping):
             batch = batch.batch_shapes()
         elif self.steps_per_call > 1:  # one step's slice (steps after the members)
-            a = int(self.member_batches)
-            cut = lambda s: s[:a] + s[a + 1 :]  # noqa: E731
-            batch = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(cut(x.shape), x.dtype), batch
-            )
+            a, sds = int(self.member_batches), jax.ShapeDtypeStruct
+            cut = lambda x: sds(x.shape[:a] + x.shape[a + 1 :], x.dtype)  # noqa: E731
+            batch = jax.tree.map(cut, batch)
         found = self._lookup(state)
         carry, inputs = args_of(state, found, batch, opt_state=False)
         names = found.program.metric_names
