@@ -104,6 +104,12 @@ class LoopInfo:
         names are known only once it runs (a host function, data that can be
         read once, a step built with ``jit=False``).
       resume: Whether `fit` was asked to resume (``resume=True``).
+      train_metrics: The names a train record's metrics may take, each with
+        its entries (``"loss"`` covers ``"loss/min"``...): the train step's,
+        found before the run by tracing it on its first batch, the learning
+        rate the loop adds (an injected one), and those the callbacks declare
+        (`pztrain.Callback.train_metrics`); ``None`` when the first batch
+        cannot be read ahead (data read once).
 
     Example:
       A callback reads it at the start (here given one as `fit` would):
@@ -138,6 +144,7 @@ class LoopInfo:
         default_factory=dict
     )
     resume: bool = False
+    train_metrics: tuple[str, ...] | None = None
 
     @property
     def evaluation_names(self) -> tuple[str, ...]:

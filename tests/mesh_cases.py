@@ -279,3 +279,39 @@ def test_rules_that_do_not_fit_name_the_parameter():
         ShardingRules(patterns=["w1"])
     with pytest.raises(TypeError, match="jax.sharding.Mesh"):
         pztrain.build_train_step(loss_fn, mesh="data")
+
+
+def test_an_equinox_model_holding_functions_trains_on_a_mesh():
+    """eqx.nn.MLP holds its activation (a function) as a pytree leaf, and
+    eqx.nn.BatchNorm its flags (a Python bool) and axis name: shard_state and
+    sharded_initial_state keep such leaves as they are (a combination-matrix
+    row: shard_state raised 'not a valid JAX type')."""
+    import equinox as eqx
+
+    class Net(eqx.Module):
+        mlp: eqx.nn.MLP
+        halve: bool  # a Python flag the forward pass branches on
+
+        def __call__(self, x):
+            return self.mlp(x) / 2 if self.halve else self.mlp(x)
+
+    def make():
+        model = Net(eqx.nn.MLP(16, 4, 8, 1, key=jax.random.key(0)), True)
+        return pztrain.TrainState.initial_state(
+            model, optax.adam(0.01), jax.random.key(1)
+        )
+
+    def eqx_loss(*, model, state, rng, x, y):
+        loss = jnp.mean((jax.vmap(model)(x) - y) ** 2)
+        return loss, state, {"loss": loss}
+
+    m = mesh()
+    step = pztrain.build_train_step(eqx_loss, mesh=m)
+    alone = pztrain.build_train_step(eqx_loss)
+    x, y = batches(1, 32)
+    for state in (shard_state(make(), m), sharded_initial_state(make, m)):
+        state, _ = step(state, x=x[0], y=y[0])
+        want, _ = alone(make(), x=x[0], y=y[0])
+        for name, value in want.params.items():
+            np.testing.assert_allclose(state.params[name], value, atol=1e-6)
+        assert state.params["mlp/layers/0/weight"].sharding.mesh == m

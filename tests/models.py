@@ -15,26 +15,28 @@ XOR_X = jnp.array([[0, 0], [0, 1], [1, 0], [1, 1]], jnp.float32)
 XOR_Y = jnp.array([0, 1, 1, 0], jnp.int32)
 
 
-def penzai_v2_mlp(seed: int = 0, hidden: int = 16):
+def penzai_v2_mlp(seed: int = 0, hidden: int = 16, inputs: int = 2):
     return simple_mlp.MLP.from_config(
-        name="mlp", init_base_rng=jax.random.key(seed), feature_sizes=[2, hidden, 2]
+        name="mlp",
+        init_base_rng=jax.random.key(seed),
+        feature_sizes=[inputs, hidden, 2],
     )
 
 
-def penzai_v1_mlp(seed: int = 0, hidden: int = 16):
-    model = simple_mlp_v1.MLP.from_config(feature_sizes=[2, hidden, 2])
+def penzai_v1_mlp(seed: int = 0, hidden: int = 16, inputs: int = 2):
+    model = simple_mlp_v1.MLP.from_config(feature_sizes=[inputs, hidden, 2])
     return pz1.nn.initialize_parameters(model, jax.random.key(seed))
 
 
-def equinox_mlp(seed: int = 0, hidden: int = 16):
-    return eqx.nn.MLP(2, 2, hidden, 1, key=jax.random.key(seed))
+def equinox_mlp(seed: int = 0, hidden: int = 16, inputs: int = 2):
+    return eqx.nn.MLP(inputs, 2, hidden, 1, key=jax.random.key(seed))
 
 
-def dict_mlp_params(seed: int = 0, hidden: int = 16):
+def dict_mlp_params(seed: int = 0, hidden: int = 16, inputs: int = 2):
     k1, k2 = jax.random.split(jax.random.key(seed))
     return {
         "dense0": {
-            "kernel": jax.random.normal(k1, (2, hidden)) * 0.5,
+            "kernel": jax.random.normal(k1, (inputs, hidden)) * 0.5,
             "bias": jnp.zeros(hidden),
         },
         "dense1": {

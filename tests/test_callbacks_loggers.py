@@ -245,10 +245,10 @@ def test_keyboard_interrupt_propagates_and_everything_is_closed(monkeypatch):
             loggers=[logger],
             progress=True,
         )
-    assert rec.hooks("log") == [2]
-    (history,) = rec.hooks("end")
-    assert [r["step"] for r in history.records] == [2]
-    assert logger.closed == 1 and [r["step"] for r in logger.records] == [2]
+    assert rec.hooks("log") == [2]  # a callback after the one that raised: not
+    (history,) = rec.hooks("end")  # the history and loggers: step 4's record too
+    assert [r["step"] for r in history.records] == [2, 4]
+    assert logger.closed == 1 and [r["step"] for r in logger.records] == [2, 4]
     assert bars[0].closed == 1
 
 
@@ -441,13 +441,14 @@ def test_early_stopping_on_an_eval_metric():
 
 def test_early_stopping_errors():
     with pytest.raises(
-        KeyError,
+        ValueError,
         match=re.escape(
-            "Monitored metric 'scor' is not among the train metrics ['loss', "
-            "'neg_score', 'score']; prefix eval metrics with 'eval/'."
+            "EarlyStopping monitors 'scor', which no train record of this run "
+            "holds: its train metrics are ['loss', "
         ),
-    ):
+    ) as err:  # refused before the run
         run(num_steps=2, callbacks=[EarlyStopping("scor")])
+    assert "'neg_score'" in str(err.value) and "'score'" in str(err.value)
     with pytest.raises(
         ValueError,
         match=re.escape(

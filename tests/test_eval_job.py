@@ -214,3 +214,42 @@ def test_params_alone_are_read_only_when_they_are_all_an_evaluation_needs():
     assert not params_suffice(stateful, plain)  # e.g. batch-norm statistics
     abstract = jax.eval_shape(lambda: like)
     assert not params_suffice(abstract, plain)  # nothing to stand in for the rest
+
+
+def _priorities() -> dict[int, tuple[int, int]]:
+    tasks = Path("/proc/self/task")
+    return {
+        int(t.name): (
+            os.getpriority(os.PRIO_PROCESS, int(t.name)),
+            os.sched_getscheduler(int(t.name)),
+        )
+        for t in tasks.iterdir()
+    }
+
+
+@pytest.mark.slow
+def test_an_in_process_job_gives_the_callers_priority_back(tmp_path):
+    _train(tmp_path / "ckpt", 2)
+    before = _priorities()
+    during = []
+
+    class Spy:
+        def log_hparams(self, hparams):
+            pass
+
+        def log_record(self, record):
+            during.append(_priorities()[threading.get_native_id()])
+
+        def close(self):
+            pass
+
+    history = _job(
+        tmp_path / "ckpt", tmp_path / "eval_job", follow=False, priority=19,
+        loggers=[Spy()],
+    )  # fmt: skip
+    assert [r["step"] for r in history.records] == [2]
+    assert during == [(19, os.SCHED_IDLE)]  # lowered while it ran
+    after = _priorities()
+    assert {t: after[t] for t in before if t in after} == {
+        t: v for t, v in before.items() if t in after
+    }

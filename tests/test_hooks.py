@@ -142,6 +142,30 @@ def test_every_on_train_end_runs_when_one_raises(tmp_path):
     assert [p.name for p in (tmp_path / "c").iterdir()] == ["4"]  # the final save
 
 
+def test_the_record_where_a_callback_raised_still_reaches_the_loggers():
+    events = []
+
+    class FailsAt4(Callback):
+        def on_log(self, state, record):
+            if record["step"] == 4:
+                raise ValueError("at 4")
+
+    with pytest.raises(ValueError, match="at 4"):
+        pztrain.fit(
+            new_state(),
+            STEP,
+            loader(),
+            num_steps=8,
+            log_every=2,
+            callbacks=[FailsAt4()],
+            loggers=[Log(events)],
+            progress=False,
+        )
+    logged = [e[2] for e in events if e[0] == "logger"]
+    assert logged == [2, 4]  # step 4's record too, then the error
+    assert events[-1] == ("close",)
+
+
 class ShowsRecords(Callback):
     """A record-only on_log: it reads the record and returns nothing."""
 

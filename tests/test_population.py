@@ -2,6 +2,7 @@
 float rounding of batched matmuls), through the step, fit and evaluation; bad
 members and bad per-member input are refused by name."""
 
+import itertools
 import os
 import re
 import subprocess
@@ -273,6 +274,59 @@ def test_a_per_member_batch_of_the_wrong_size_is_refused():
         step(population(), x=np.stack([X] * 3), y=np.stack([Y] * 4))
 
 
+def test_metric_sums_of_per_member_batches_of_several_steps_a_call():
+    """member_batches with steps_per_call=2 (the member axis, then the steps):
+    `fit`'s metric sums come from one step's slice of every member's batch,
+    not from member 0's steps (a combination-matrix row failed in `fit`)."""
+    per = pztrain.build_train_step(loss_fn, member_batches=True, steps_per_call=2)
+    xs = np.stack([X[i : i + 32].reshape(2, 16, 3) for i in range(4)])
+    ys = np.stack([Y[i : i + 32].reshape(2, 16) for i in range(4)])
+    sums = per.metric_sums(population(), {"x": xs, "y": ys})
+    _, aux = per(population(), x=xs, y=ys)
+    assert sorted(sums.names) == sorted(aux) == ["acc", "loss"]
+
+
+class _MemberLoader(pztrain.data.StepLoader):
+    """One ArrayLoader per member, their batches stacked on a leading member
+    axis (then the steps, with ``steps_per_call``)."""
+
+    steps_per_epoch = 4
+
+    def __init__(self):
+        arrays = {"x": X, "y": Y}
+        self.loaders = [pztrain.ArrayLoader(arrays, 16, seed=i) for i in range(4)]
+
+    def batch_at(self, step):
+        return _stacked([loader.batch_at(step) for loader in self.loaders])
+
+    def epoch(self, epoch=0):
+        return map(self.batch_at, range(4 * epoch, 4 * epoch + 4))
+
+    def iter_from_step(self, step, steps_per_call=1):
+        its = [loader.iter_from_step(step, steps_per_call) for loader in self.loaders]
+        return (_stacked(batches) for batches in zip(*its, strict=True))
+
+
+def _stacked(batches):
+    return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+
+
+def test_fit_reads_per_member_loaders_of_several_steps_a_call():
+    """A loader of per-member batches with steps_per_call=2 (the member axis,
+    then the steps) trains under fit as the step alone: fit's look at the
+    first batch before the run stacks the steps after the members (a
+    combination-matrix row)."""
+    per = pztrain.build_train_step(loss_fn, member_batches=True, steps_per_call=2)
+    pop, _ = pztrain.fit(
+        population(), per, _MemberLoader(), num_steps=4, log_every=2, progress=False
+    )
+    ref = population()
+    for batch in itertools.islice(_MemberLoader().iter_from_step(0, 2), 2):
+        ref, _ = per(ref, **batch)
+    for i in range(4):
+        assert_member_equals(pop, i, pztrain.member(ref, i), rtol=1e-6)
+
+
 def test_population_inside_the_users_own_scan():
     step = pztrain.build_train_step(loss_fn)
     pop, aux = jax.lax.scan(
@@ -341,6 +395,47 @@ def test_members_split_over_a_mesh_axis():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run(
         [sys.executable, "-c", MESH_SCRIPT],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ok (4,)" in out.stdout
+
+
+NNX_MESH_SCRIPT = textwrap.dedent(
+    """
+    import jax, numpy as np, optax
+    import pztrain
+    from pztrain.population import shard_members
+    from tests.nnx_models import mlp, loss_fn, batch, xent
+    def init(seed):
+        return pztrain.TrainState.initial_state(
+            mlp(seed), optax.adam(0.05), jax.random.key(seed))
+    def eval_fn(*, model, state, rng, x, y):
+        return {"loss": xent(model(x), y)}
+    auto = jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh((4,), ("members",), axis_types=(auto,))
+    pop = shard_members(pztrain.make_population(init, seeds=range(4)), mesh)
+    step, b = pztrain.build_train_step(loss_fn), batch()
+    pop, sums = step.accumulate(pop, step.metric_sums(pop, b), b)
+    leaves = jax.tree.leaves(pop.model_without_params)  # the dropout's counter too
+    unsplit = [x.shape for x in leaves if len(x.sharding.device_set) != 4]
+    assert not unsplit, unsplit
+    out = pztrain.build_eval_step(eval_fn)(pop, **b)  # maps over split members
+    print("ok", np.shape(out["loss"]))
+    """
+)
+
+
+@pytest.mark.slow
+def test_an_nnx_populations_state_variables_stay_split_after_a_step():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", NNX_MESH_SCRIPT],
         env=env,
         cwd=root,
         capture_output=True,

@@ -142,8 +142,65 @@ def test_the_metrics_an_evaluation_records_are_known_before_the_run(tmp_path):
     assert seen == [(expected, False)]
 
 
+@pytest.mark.parametrize("callback", ["early_stopping", "checkpoints"])
+def test_a_typo_of_a_train_metric(tmp_path, callback):
+    if callback == "checkpoints":
+        kw = {"checkpoints": True, "monitor": "loss_typo"}
+        who = "Checkpoints(keep_best=1)"
+    else:
+        kw = {"callbacks": [EarlyStopping("loss_typo")]}
+        who = "EarlyStopping"
+    refused(
+        tmp_path,
+        ValueError,
+        f"{who} monitors 'loss_typo', which no train record of this run holds: "
+        "its train metrics are ['loss'].",
+        **kw,
+    )
+
+
+def test_a_train_monitor_may_name_what_the_loop_and_the_callbacks_add(tmp_path):
+    seen = []
+
+    class Look(Callback):
+        def check(self, state, info):
+            seen.append(info.train_metrics)
+
+    class AddsScore(Callback):
+        train_metrics = ("score",)
+
+        def on_log(self, state, record):
+            record["metrics"]["score"] = -record["metrics"]["loss"]
+
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    _, history = fit(
+        new_state(opt),
+        STEP,
+        ArrayLoader({"x": X, "y": Y}, 4),
+        num_steps=4,
+        log_every=2,
+        callbacks=[
+            Look(),
+            AddsScore(),
+            pztrain.LearningRateMonitor(0.1),
+            EarlyStopping("score", mode="max"),
+            EarlyStopping("learning_rate"),
+        ],
+        progress=False,
+        loggers=[],
+    )
+    assert seen == [("loss", "learning_rate", "score")]
+    assert history.last("train")["metrics"]["score"] < 0
+    refused(  # undeclared: not known before the run
+        tmp_path,
+        ValueError,
+        "EarlyStopping monitors 'score', which no train record",
+        callbacks=[EarlyStopping("score")],
+    )
+
+
 def test_a_monitor_of_a_host_function_is_checked_when_it_runs(tmp_path):
-    with pytest.raises(KeyError, match=re.escape("'eval/norm/v'")):
+    with pytest.raises(KeyError, match="checked at its first evaluation"):
         fit(
             new_state(),
             STEP,

@@ -123,6 +123,32 @@ def without_time(records):
 # --------------------------------------------------------------------- SIGINT
 
 
+def test_without_checkpoints_a_stop_says_the_due_evaluation_did_not_run(capsys):
+    kw = dict(num_steps=8, log_every=2, eval_step=EVAL, eval_data=EVAL_DATA)
+    state, history = run(callbacks=[SignalAt(4)], eval_every=4, **kw)
+    assert int(state.step) == 4 and history.stop_reason == "interrupted"
+    assert [(r["step"], r["split"]) for r in history.records] == [
+        (2, "train"),
+        (4, "train"),
+    ]  # the evaluation due at step 4 did not run: nothing owes it
+    assert (
+        capsys.readouterr()
+        .out.strip()
+        .endswith(
+            "The evaluation due at step 4 did not run (without checkpoints nothing "
+            "owes it): pztrain.evaluate(state, ...) runs it."
+        )
+    )
+    _, history = run(state, eval_every=4, **kw)  # goes on after step 4
+    assert [(r["step"], r["split"]) for r in history.records] == [
+        (6, "train"),
+        (8, "train"),
+        (8, "eval"),
+    ]
+    run(callbacks=[SignalAt(2)], eval_every=4, **kw)  # nothing due at 2
+    assert capsys.readouterr().out.strip().endswith("goes on from there.")
+
+
 def test_sigint_stops_before_the_next_call_and_keeps_the_state(capsys):
     before = signal.getsignal(signal.SIGINT)
     state, history = run(

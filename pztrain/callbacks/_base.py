@@ -60,6 +60,10 @@ class Callback:
       Stop(reason='low', state=None)
     """
 
+    train_metrics: tuple[str, ...] = ()
+    """The names this callback adds to a train record's metrics in ``on_log``
+    (`pztrain.LoopInfo.train_metrics`): a monitor of one passes `fit`'s check."""
+
     def check(self, state: TrainState, info: LoopInfo) -> None:
         """Refuses a run its settings do not fit, before anything is written.
 

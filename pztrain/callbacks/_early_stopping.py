@@ -9,7 +9,11 @@ import jax
 import jax.numpy as jnp
 
 from pztrain.callbacks._base import Callback
-from pztrain.callbacks._monitored import check_eval_monitor, eval_value
+from pztrain.callbacks._monitored import (
+    check_eval_monitor,
+    check_train_monitor,
+    eval_value,
+)
 from pztrain.records import Stop
 
 if TYPE_CHECKING:
@@ -142,10 +146,11 @@ class EarlyStopping(Callback):
         )
 
     def check(self, state, info):
-        """Refuses an eval monitor the run does not record (no evaluation, an
-        evaluation it names not, a metric its evaluation does not record)."""
+        """Refuses a monitor the run does not record: a train metric no train
+        record holds, or an eval one (no evaluation, an evaluation it names
+        not, a metric its evaluation does not record)."""
         if _split_monitor(self.monitor)[0] != "eval":
-            return
+            return check_train_monitor("EarlyStopping", self.monitor, info)
         if not info.evaluates:
             raise ValueError(
                 f"EarlyStopping monitors {self.monitor!r} but fit runs no "

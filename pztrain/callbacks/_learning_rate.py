@@ -39,6 +39,8 @@ class LearningRateMonitor(Callback):
       {'learning_rate': 0.75}
     """
 
+    train_metrics = ("learning_rate",)
+
     def __init__(self, schedule: optax.Schedule | float):
         if not callable(schedule) and not _is_real(schedule):
             raise TypeError(

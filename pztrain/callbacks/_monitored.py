@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pztrain.records import LoopInfo
 
-__all__ = ["check_eval_monitor", "eval_owner", "eval_value"]
+__all__ = [
+    "check_eval_monitor",
+    "check_monitor",
+    "check_train_monitor",
+    "eval_owner",
+    "eval_value",
+]
 
 
 def eval_value(
@@ -57,7 +63,9 @@ def eval_value(
     raise KeyError(
         f"Monitored metric {monitor!r} is not among the eval metrics "
         f"{sorted(ran)}; prefix eval metrics with 'eval/' (a named evaluation's "
-        "with 'eval/<name>/')."
+        "with 'eval/<name>/'). (A monitor of an evaluation whose names are known "
+        "only once it runs, a host function's, is checked at its first "
+        "evaluation, not before the run.)"
     )
 
 
@@ -123,3 +131,47 @@ does not record: the run's eval metrics are ['eval/val/mse']. Monitor one of the
         f"{who} monitors {monitor!r}, which {which} does not record: the run's "
         f"eval metrics are {every}. Monitor one of them."
     )
+
+
+def check_train_monitor(who: str, monitor: str, info: LoopInfo) -> None:
+    """Refuses a train ``monitor`` that no train record of the run holds,
+    before the run (`pztrain.Callback.check`), when the names are known
+    (`pztrain.LoopInfo.train_metrics`: each covers its entries, ``"loss"``
+    covers ``"loss/min"``).
+
+    Args:
+      who: The callback, as the message names it (``"EarlyStopping"``).
+      monitor: The monitored name, a train metric (``"loss"``).
+      info: The run's `pztrain.LoopInfo`.
+
+    Raises:
+      ValueError: naming ``monitor`` and the train metrics the run records.
+
+    Example:
+      >>> from pztrain import LoopInfo
+      >>> info = LoopInfo(0, 10, None, 1, 5, False, None, train_metrics=("loss",))
+      >>> check_train_monitor("EarlyStopping", "loss/min", info)
+      >>> check_train_monitor("EarlyStopping", "los", info)
+      Traceback (most recent call last):
+      ...
+      ValueError: EarlyStopping monitors 'los', which no train record of this \
+run holds: its train metrics are ['loss']. Monitor one of them, or 'eval/<metric>' \
+(a callback that adds a metric in on_log declares it: train_metrics = ('name',)).
+    """
+    known, parts = info.train_metrics, monitor.split("/")
+    heads = ("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    if known is None or any(head in known for head in heads):
+        return
+    raise ValueError(
+        f"{who} monitors {monitor!r}, which no train record of this run holds: "
+        f"its train metrics are {list(known)}. Monitor one of them, or "
+        "'eval/<metric>' (a callback that adds a metric in on_log declares it: "
+        "train_metrics = ('name',))."
+    )
+
+
+def check_monitor(who: str, monitor: str, info: LoopInfo) -> None:
+    """`check_eval_monitor` for ``"eval/..."``, else `check_train_monitor`."""
+    if monitor.partition("/")[0] == "eval" and monitor.partition("/")[2]:
+        return check_eval_monitor(who, monitor, info)
+    return check_train_monitor(who, monitor, info)

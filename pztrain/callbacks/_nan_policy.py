@@ -47,6 +47,8 @@ class NanPolicy(Callback):
       (None, {'skipped_updates': 1.0}, Array([1., 1.], dtype=float32))
     """
 
+    train_metrics = ("skipped_updates",)
+
     def __init__(self, mode: str = "stop"):
         if mode not in ("stop", "skip"):
             raise ValueError(f"mode must be 'stop' or 'skip'; got {mode!r}.")

@@ -90,6 +90,8 @@ class PopulationBasedTraining(Callback):
       0.08
     """
 
+    train_metrics = ("pbt/replaced", "pbt/source")
+
     def __init__(
         self,
         monitor: str = "eval/loss",

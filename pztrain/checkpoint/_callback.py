@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from pztrain.callbacks import Callback
-from pztrain.callbacks._monitored import check_eval_monitor, eval_value
+from pztrain.callbacks._monitored import check_monitor, eval_value
 from pztrain.checkpoint import _directory, _format
 from pztrain.checkpoint._due import SavePoints
 from pztrain.checkpoint._metadata import checkpoint_steps
@@ -338,20 +338,19 @@ class Checkpoints(Callback):
 
     def check(self, state, info):
         """Refuses a fresh run into a directory that holds checkpoints (as
-        `prepare` does), and ``keep_best`` by an eval metric none records."""
+        `prepare` does), and ``keep_best`` by a metric no record holds."""
         if not info.resume and not self.overwrite:
             steps = checkpoint_steps(self.directory)  # the listing: no manager
             _directory.refuse_used(self.directory, steps, _step_of(state))
         who = f"Checkpoints(keep_best={self.keep_best})"
-        if not self.keep_best or not self.monitor.startswith("eval/"):
-            return
-        if not info.evaluates:
+        if self.keep_best and self.monitor.startswith("eval/") and not info.evaluates:
             raise ValueError(
                 f"{who} ranks checkpoints by {self.monitor!r}, but fit runs no "
                 "evaluation: pass eval_step and eval_data to fit, or monitor a "
                 "train metric."
             )
-        check_eval_monitor(who, self.monitor, info)
+        if self.keep_best:
+            check_monitor(who, self.monitor, info)
 
     def on_train_start(self, state, info):
         self._evaluations = info.evaluation_names
@@ -421,7 +420,10 @@ class Checkpoints(Callback):
         step = int(state.step)
         if self.points.final(step):
             self.save(state, step, self._metrics_at(step))
-        if self.keep_best and self._saves and not self._ranked:
+        # A run stopped by a signal before its monitor's first value is not
+        # monitoring a wrong metric: the resumed run ranks its saves.
+        stopped = getattr(history, "stop_reason", None) in ("interrupted", "preempted")
+        if self.keep_best and self._saves and not self._ranked and not stopped:
             warnings.warn(
                 f"Checkpoints(keep_best={self.keep_best}) ranked no checkpoint: no "
                 f"save saw the metric {self.monitor!r}. Monitor a metric the run "

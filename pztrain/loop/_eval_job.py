@@ -17,6 +17,9 @@ each one it listed but found deleted in a warning.
 Retention deletes a checkpoint by renaming it away, then removing it, so a
 read that fails on a checkpoint that is gone was a deletion; on one that is
 still there, damage: that one raises.
+
+It runs at a lower CPU priority, so training keeps its speed, and gives the
+process its priority back when it returns (`lowered_priority`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import contextlib
 import os
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -43,7 +46,7 @@ from pztrain.records import History, read_jsonl
 from pztrain.state import TrainState
 from pztrain.state._state import check_state
 
-__all__ = ["evaluate_checkpoints"]
+__all__ = ["evaluate_checkpoints", "lowered_priority"]
 
 
 def evaluate_checkpoints(
@@ -75,8 +78,8 @@ def evaluate_checkpoints(
       follow: While the run holds ``directory``'s lock, wait for new checkpoints.
       timeout: Seconds without a new checkpoint after which it ends.
       poll: Seconds between two looks at ``directory``.
-      priority: Lower this process's CPU priority by this much (nice; at 19
-        Linux's idle class too; ``None``: not), so training keeps its speed.
+      priority: Lower the CPU priority by this much until it returns (nice;
+        at 19 Linux's idle class too; ``None``: not): training keeps its speed.
 
     Returns:
       A `pztrain.History` of what it logged (``stop_reason``: a timeout).
@@ -112,10 +115,8 @@ def _run(directory, like, evaluations, run_dir, loggers, *, priority, **waits):
     """The job, on checked arguments: its priority, log and lock, then
     `_follow` (``waits``: ``follow``, ``timeout``, ``poll``)."""
     evaluations = check_evaluations(list(evaluations), None, like, 1)
-    if priority is not None:
-        lower_priority(priority)
     history = History()
-    with locked(run_dir), stop_signals() as flag:
+    with lowered_priority(priority), locked(run_dir), stop_signals() as flag:
         done = _logged_steps(run_dir)
         log = JsonlLogger(run_dir, resume_step=max(done, default=None))
         outputs = [log, *loggers]
@@ -256,25 +257,6 @@ def _follow(job: _Job, follow: bool, timeout: float, poll: float) -> str | None:
             raise KeyboardInterrupt("evaluate_checkpoints was interrupted waiting.")
 
 
-def lower_priority(by: int) -> None:
-    """Lowers the CPU priority of this process by ``by`` (nice), every thread
-    of it: on Linux a thread's niceness is its own, and the threads that
-    compute (XLA's) started with JAX, before this call. At 19 (the lowest),
-    the threads also take Linux's idle scheduling class: they run only on
-    CPU time that no other process wants."""
-    os.nice(by)
-    tasks = Path("/proc/self/task")
-    if not tasks.is_dir():  # elsewhere, nice is the process's
-        return
-    idle = by >= 19 and hasattr(os, "SCHED_IDLE")
-    for tid in tasks.iterdir():
-        with contextlib.suppress(OSError, ValueError):  # a thread that has ended
-            now = os.getpriority(os.PRIO_PROCESS, int(tid.name))
-            os.setpriority(os.PRIO_PROCESS, int(tid.name), min(19, max(now, 0) + by))
-            if idle:
-                os.sched_setscheduler(int(tid.name), os.SCHED_IDLE, os.sched_param(0))
-
-
 def _timed_out(job: _Job, timeout: float) -> str:
     """The stop reason after ``timeout`` seconds with no new checkpoint; an
     error if the job never saw one."""
@@ -346,3 +328,101 @@ def _check_job(directory, like, run_dir, follow, poll, timeout) -> tuple[Path, P
             )
     check_source(directory, follow)
     return directory, run_dir
+
+
+_TASKS = Path("/proc/self/task")
+_warned = False
+
+
+@contextlib.contextmanager
+def lowered_priority(by: int | None) -> Iterator[None]:
+    """Lowers this process's CPU priority by ``by`` (``None``: not) inside
+    the block, every thread of it, and gives each thread its priority and
+    scheduling back on the way out (new threads get the calling thread's):
+    called in-process (a notebook's cell), the job leaves its caller as it
+    was. Raising a priority again may need rights (root, ``RLIMIT_NICE``);
+    where the OS refuses, a warning says so, once."""
+    if by is None:
+        yield
+        return
+    before = _priorities()
+    _lower(by)
+    try:
+        yield
+    finally:
+        _restore(before)
+
+
+def _threads() -> list[int]:
+    """This process's thread ids (Linux), or ``[0]``: the process."""
+    if not _TASKS.is_dir():
+        return [0]
+    with contextlib.suppress(OSError, ValueError):
+        return [int(t.name) for t in _TASKS.iterdir()]
+    return [0]
+
+
+def _priorities() -> dict[int, tuple]:
+    """Each thread's ``(nice, policy, param)`` (policy ``None`` off Linux)."""
+    out = {}
+    for tid in _threads():
+        with contextlib.suppress(OSError):
+            sched = None
+            if tid and hasattr(os, "sched_getscheduler"):
+                sched = (os.sched_getscheduler(tid), os.sched_getparam(tid))
+            out[tid] = (os.getpriority(os.PRIO_PROCESS, tid), sched)
+    return out
+
+
+def _lower(by: int) -> None:
+    """Lowers every thread's priority by ``by`` (nice): on Linux a thread's
+    niceness is its own, and the threads that compute (XLA's) started with
+    JAX. At 19 (the lowest), the threads also take Linux's idle scheduling
+    class: they run only on CPU time that no other process wants."""
+    idle = by >= 19 and hasattr(os, "SCHED_IDLE")
+    for tid in _threads():
+        with contextlib.suppress(OSError):  # a thread that has ended
+            now = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, max(now, 0) + by))
+            if idle and tid:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+
+
+def _restore(before: dict[int, tuple]) -> None:
+    """Gives each thread its priority of ``before`` back (a thread started
+    since: the calling thread's); warns once if the OS refuses."""
+    own = before.get(_own_id()) or next(iter(before.values()), None)
+    refused = []
+    for tid in _threads():
+        nice, sched = before.get(tid, own) or (None, None)
+        try:
+            if sched is not None:
+                os.sched_setscheduler(tid, sched[0], sched[1])
+            if nice is not None:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:  # a thread that has ended
+            continue
+        except OSError as e:
+            refused.append(e)
+    if refused:
+        _warn(refused[0])
+
+
+def _own_id() -> int:
+    """The calling thread's id as in ``/proc/self/task`` (0 off Linux)."""
+    return os.gettid() if hasattr(os, "gettid") and _TASKS.is_dir() else 0
+
+
+def _warn(error: OSError) -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    warnings.warn(
+        "evaluate_checkpoints: could not give this process its CPU priority "
+        f"back after the job ({error}); raising a priority again needs rights "
+        "(root, or ulimit -e). Pass priority=None to evaluate_checkpoints in a "
+        "process that goes on with other work.",
+        RuntimeWarning,
+        stacklevel=4,
+    )

@@ -152,10 +152,11 @@ class _Run:
 
     @classmethod
     def wire(
-        cls, args: FitArguments, schedule: Schedule, stops: StopFlag, metrics: dict
+        cls, args: FitArguments, schedule: Schedule, stops: StopFlag, metrics: tuple
     ) -> _Run:
         """The pieces of a run from ``schedule.start`` (after a resume);
-        ``metrics``: the names its evaluations record (`check_run`)."""
+        ``metrics``: the names its evaluations and train records take
+        (`check_run`)."""
         loggers, bar = _outputs(args, schedule.start)
         history = History()
         ckpts = [] if args.checkpoints is None else [args.checkpoints]
@@ -167,7 +168,7 @@ class _Run:
             source=_source(args, schedule),
             schedule=schedule,
             hooks=hooks,
-            info=loop_info(args, schedule, metrics),
+            info=loop_info(args, schedule, *metrics),
             history=history,
             reporter=reporter,
             evals=EvalRunner(args.evaluations, schedule, reporter, stops),
@@ -192,7 +193,8 @@ class _Run:
         if self.checkpoints is not None:
             saved = self.checkpoints.save_stopped(state, step, self.reporter.owed)
         if jax.process_index() == 0:
-            print(stop_line(self.stops, step, saved), flush=True)
+            unrun = saved is None and self.reporter.owed is not None
+            print(stop_line(self.stops, step, saved, unrun), flush=True)
 
 
 def _train(state: TrainState, run: _Run) -> TrainState:

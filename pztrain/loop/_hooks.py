@@ -77,6 +77,9 @@ class Hooks:
     def run(self, hook: str, state: TrainState, arg: Any) -> tuple[Any, Stop | None]:
         """Runs ``hook(state, arg)`` of each callback: ``(state, first Stop)``.
 
+        If a callback raises in ``on_log`` or ``on_eval_end``, the record still
+        reaches the `RecordLog` (history and loggers) before the error goes on.
+
         A hook returning a state (alone or in a `Stop`) hands it to the hooks
         after it and to the loop; the first `Stop` gives the reason. A returned
         state's ``step`` given as a Python or NumPy integer becomes a JAX scalar
@@ -90,13 +93,27 @@ class Hooks:
             or dtypes: another model's), naming the first that differ.
         """
         stop = None
-        for cb in self.callbacks:
-            with host_reads():
-                out = getattr(cb, hook)(state, arg)
+        for i, cb in enumerate(self.callbacks):
+            try:
+                with host_reads():
+                    out = getattr(cb, hook)(state, arg)
+            except BaseException:
+                self._still_logged(hook, state, arg, self.callbacks[i + 1 :])
+                raise
             if out is not None:
                 state, new_stop = _taken(f"{type(cb).__name__}.{hook}", out, state)
                 stop = stop or new_stop
         return state, stop
+
+    @staticmethod
+    def _still_logged(hook: str, state: TrainState, arg: Any, rest) -> None:
+        """After a callback raised in ``hook``: the record still reaches the
+        `RecordLog` s after it (the log stays exact), then the error goes on."""
+        if hook not in ("on_log", "on_eval_end"):
+            return
+        for cb in rest:
+            if isinstance(cb, RecordLog):
+                getattr(cb, hook)(state, arg)
 
     def end(self, state: TrainState, history: History) -> None:
         """``on_train_end`` of every callback, even if one raises; the first

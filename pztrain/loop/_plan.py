@@ -33,6 +33,7 @@ from pztrain.loop._evaluations import Evaluation
 from pztrain.loop._hooks import host_reads
 from pztrain.loop._schedule import Schedule
 from pztrain.metric_states import is_metric_state, metric_entries
+from pztrain.metrics import MetricSums
 from pztrain.records import LoopInfo
 from pztrain.state import TrainState
 from pztrain.step import EvalStep, TrainStep
@@ -45,43 +46,47 @@ __all__ = [
     "first_batch",
     "loop_info",
     "progress_bar",
+    "train_metrics",
 ]
 
 
-def check_run(
-    state: TrainState, args: FitArguments, schedule: Schedule
-) -> dict[str, tuple[str, ...] | None]:
+def check_run(state: TrainState, args: FitArguments, schedule: Schedule) -> tuple:
     """Checks a run before anything is written: its first train batch traced
-    (`check_train_batch`), the names its evaluations record found
-    (`eval_metrics`), then every hook's and logger's ``check`` given the run's
-    `LoopInfo` (``schedule``: from the given state, before a resume).
+    (`check_train_batch`), the names its evaluations and train records take
+    found (`eval_metrics`, `train_metrics`), then every hook's and logger's
+    ``check`` given the run's `LoopInfo` (``schedule``: from the given state,
+    before a resume).
 
     Returns:
-      The names its evaluations record (`eval_metrics`), for the run's info.
+      ``(eval_metrics, train_metrics)``, for the run's info (`loop_info`).
     """
-    check_train_batch(state, args.train_step, args.train_data)
-    names = eval_metrics(args.evaluations, state)
-    info = loop_info(args, schedule, names)
+    sums = check_train_batch(state, args.train_step, args.train_data)
     ckpts = [] if args.checkpoints is None else [args.checkpoints]
     hooks = [*progress_bar(args.progress, args.callbacks), *args.callbacks, *ckpts]
-    check_hooks(hooks, args.loggers or (), state, info)
+    names = eval_metrics(args.evaluations, state), train_metrics(sums, state, hooks)
+    check_hooks(hooks, args.loggers or (), state, loop_info(args, schedule, *names))
     return names
 
 
-def first_batch(data: Any, step: int, steps_per_call: int = 1) -> Any:
+def first_batch(
+    data: Any, step: int, steps_per_call: int = 1, steps_axis: int = 0
+) -> Any:
     """The batch of the call at ``step`` (``steps_per_call`` batches stacked;
-    from a `StepLoader`, their shapes), read ahead without changing ``data``;
-    ``None`` for data that cannot be (see the module's docstring), or with
-    several processes (each holds its rows: the step's batch is assembled only
-    in the run)."""
+    from a `StepLoader`, their shapes, the steps on ``steps_axis``: 1 for
+    per-member batches, whose member axis comes first), read ahead without
+    changing ``data``; ``None`` for data that cannot be (see the module's
+    docstring), or with several processes (each holds its rows: the step's
+    batch is assembled only in the run)."""
     if jax.process_count() > 1:
         return None
     if isinstance(data, StepLoader):  # one batch read (on the host: no workers)
-        batch, k = data.batch_at(step), steps_per_call
+        batch, k, a = data.batch_at(step), steps_per_call, steps_axis
         if k == 1:
             return batch
         return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((k, *np.shape(x)), np.asarray(x).dtype),
+            lambda x: jax.ShapeDtypeStruct(
+                (*np.shape(x)[:a], k, *np.shape(x)[a:]), np.asarray(x).dtype
+            ),
             batch,
         )  # its k batches stacked, as shapes
     if isinstance(data, list | tuple) and len(data) >= steps_per_call:
@@ -93,15 +98,39 @@ def first_batch(data: Any, step: int, steps_per_call: int = 1) -> Any:
     return batches[0] if steps_per_call == 1 else stack_batches(batches)
 
 
-def check_train_batch(state: TrainState, train_step: TrainStep, data: Any) -> None:
+def check_train_batch(
+    state: TrainState, train_step: TrainStep, data: Any
+) -> MetricSums | None:
     """Traces ``train_step`` on the first batch of ``data`` (as the run's
     first call does, for its metric names): an error there is the call's,
-    with its note (`pztrain.step.TrainStep.metric_sums`)."""
+    with its note (`pztrain.step.TrainStep.metric_sums`). Returns its zero
+    sums (``None`` if the batch cannot be read ahead)."""
     with host_reads():
         step = int(state.step)
-    batch = first_batch(data, step, train_step.steps_per_call)
-    if batch is not None:
-        train_step.metric_sums(state, batch)  # cached: the run's first call's
+    axis = 1 if train_step.member_batches else 0  # the members, then the steps
+    batch = first_batch(data, step, train_step.steps_per_call, axis)
+    if batch is None:
+        return None
+    return train_step.metric_sums(state, batch)  # cached: the run's first call's
+
+
+def train_metrics(
+    sums: MetricSums | None, state: TrainState, hooks: Sequence[Any]
+) -> tuple[str, ...] | None:
+    """The names a train record's metrics take (`pztrain.LoopInfo.train_metrics`):
+    the step's (``sums``), an injected learning rate (the loop logs it), and
+    those the hooks declare they add (``train_metrics``)."""
+    if sums is None:
+        return None
+    names = [*sums.names, *sums.states]
+    try:
+        if "learning_rate" in state.hyperparams:
+            names.append("learning_rate")
+    except ValueError:  # no injected hyperparameters
+        pass
+    for hook in hooks:
+        names += [n for n in getattr(hook, "train_metrics", ()) if n not in names]
+    return tuple(dict.fromkeys(names))
 
 
 def eval_metrics(
@@ -188,6 +217,7 @@ def loop_info(
     args: FitArguments,
     schedule: Schedule,
     eval_metrics: dict[str, tuple[str, ...] | None],
+    train_metrics: tuple[str, ...] | None = None,
 ) -> LoopInfo:
     """The `LoopInfo` of a run from ``schedule`` (its first step on)."""
     return LoopInfo(
@@ -206,4 +236,5 @@ def loop_info(
         evaluations=tuple(ev.name for ev in args.evaluations),
         eval_metrics=eval_metrics,
         resume=args.resume,
+        train_metrics=train_metrics,
     )

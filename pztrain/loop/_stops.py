@@ -46,9 +46,12 @@ def keep_state(error: BaseException, state: TrainState) -> None:
     )
 
 
-def stop_line(flag: StopFlag, step: int, saved: Path | None) -> str:
+def stop_line(
+    flag: StopFlag, step: int, saved: Path | None, unrun: bool = False
+) -> str:
     """The one line `fit` prints when a signal stopped it at ``step``
-    (``saved``: the checkpoint of that step, if there is one).
+    (``saved``: the checkpoint of that step, if there is one; ``unrun``: an
+    evaluation due at that step did not run, and nothing owes it).
 
     It names the call that goes on: ``fit(state, ...)`` from the returned
     state, or, once a checkpoint of that step is saved, ``fit(...,
@@ -74,10 +77,16 @@ fit(..., resume=True) goes on from there.
     how = flag.signal_name or "SIGTERM to this process or another, through JAX"
     head = f"pztrain.fit: {flag.reason} ({how}) at step {step}."
     if saved is None:
-        return (
+        line = (
             f"{head} The returned state is that step's: fit(state, ...) goes on "
             "from there."
         )
+        if unrun:  # no checkpoint to owe it to: fit(state, ...) starts after it
+            line += (
+                f" The evaluation due at step {step} did not run (without "
+                "checkpoints nothing owes it): pztrain.evaluate(state, ...) runs it."
+            )
+        return line
     return (
         f"{head} Checkpoint saved: {saved}. fit(..., resume=True) goes on from there."
     )

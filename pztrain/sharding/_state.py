@@ -37,7 +37,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pztrain._tree import path_name
+from pztrain._tree import is_array, path_name
 from pztrain.sharding._rules import (
     ShardingError,
     ShardingRules,
@@ -174,6 +174,8 @@ def shard_state(
 
 
 def _put(x: Any, sharding: NamedSharding) -> Any:
+    if not is_array(x):  # a module's own leaf (eqx.nn.MLP's activation, a flag)
+        return x  # stays as it is, as on one device
     if sharding.is_fully_addressable:
         return jax.device_put(x, sharding, may_alias=False)
     # Several processes: each holds the whole value and keeps its own shards.
@@ -214,9 +216,25 @@ def sharded_initial_state(
       >>> tuple(s.params["w"].sharding.spec), float(s.params["w"].sum())
       (('data',), 8.0)
     """
-    abstract = jax.eval_shape(make_state)
+    # Arrays come out of eval_shape and jit; a module's other leaves (eqx.nn.MLP's
+    # activation, a Python flag) are kept as make_state made them.
+    made: dict[str, Any] = {}
+
+    def make_arrays() -> list[Any]:
+        leaves, made["treedef"] = jax.tree.flatten(make_state())
+        made["others"] = [None if is_array(x) else x for x in leaves]
+        return [x for x in leaves if is_array(x)]
+
+    def whole(arrays: list[Any]) -> TrainState:
+        found = iter(arrays)
+        leaves = [next(found) if x is None else x for x in made["others"]]
+        return jax.tree.unflatten(made["treedef"], leaves)
+
+    abstract = whole(jax.eval_shape(make_arrays))
     shardings = state_shardings(abstract, mesh, rules)
-    return jax.jit(make_state, out_shardings=shardings)()
+    out = [s for s, x in zip(jax.tree.leaves(shardings), made["others"], strict=True)
+           if x is None]  # fmt: skip
+    return whole(jax.jit(make_arrays, out_shardings=out)())
 
 
 def data_sharding(

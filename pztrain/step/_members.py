@@ -23,6 +23,7 @@ from pztrain.metrics import MetricSums
 from pztrain.step._types import Carry, Inputs
 
 __all__ = [
+    "PinnedMembers",
     "check_counter",
     "counted_after",
     "one_member",
@@ -146,3 +147,71 @@ def one_member(shapes: Any, members: int | None) -> Any:
     if members is None:
         return shapes
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), shapes)
+
+
+class PinnedMembers:
+    """A population's jitted train program whose outputs stay split over the
+    devices as its inputs' members are (`pztrain.population.shard_members`).
+
+    Left to itself, jit may place an output that it computes anew (a dropout
+    stream's counter of an NNX model) on one device while the other member
+    arrays stay split: the next program that maps over the members (an
+    evaluation) then finds its inputs split unlike each other. Here each
+    output of the carry and of the model's state variables is constrained to
+    its input's `NamedSharding`; one program per placement of the members
+    (the root key's), found by one dict lookup a call.
+    """
+
+    def __init__(self, fn: Callable[..., Any], options: dict[str, Any]):
+        self._fn, self._options = fn, options
+        self._plain = jax.jit(fn, **options)  # inside a trace: no placement
+        self._jitted: dict[Any, Any] = {}
+
+    def __call__(self, carry: Carry, key_data: Any, rest: Any, batch: Any) -> Any:
+        jitted = self._jitted.get(getattr(key_data, "sharding", None))
+        if jitted is None:
+            jitted = self._for((carry, key_data, rest, batch))
+        return jitted(carry, key_data, rest, batch)
+
+    def lower(self, *args: Any) -> Any:
+        return self._for(args).lower(*args)
+
+    def _for(self, args: tuple[Any, ...]) -> Any:
+        """The program for the placement of ``args`` (made at its first call)."""
+        if isinstance(args[1], jax.core.Tracer):
+            return self._plain
+        key = args[1].sharding
+        if key not in self._jitted:
+            carry, rest = args[0], args[2]
+            pins = (_shardings(carry), _shardings(rest))
+            self._jitted[key] = jax.jit(_pinned(self._fn, *pins), **self._options)
+        return self._jitted[key]
+
+
+def _shardings(tree: Any) -> list[Any]:
+    """Each leaf's ``(NamedSharding, shape)`` (``None`` for any other placement)."""
+    named = [(getattr(x, "sharding", None), np.shape(x)) for x in jax.tree.leaves(tree)]
+    return [pin if isinstance(pin[0], NamedSharding) else None for pin in named]
+
+
+def _pinned(fn: Callable[..., Any], carry_pins: list, rest_pins: list):
+    """``fn`` whose new carry and state variables are constrained to ``pins``."""
+
+    def pin(tree: Any, pins: list) -> Any:
+        leaves, treedef = jax.tree.flatten(tree)
+        if len(leaves) != len(pins):  # another structure (sums made in the call)
+            return tree
+        kept = [
+            x
+            if p is None or x.shape != p[1]
+            else jax.lax.with_sharding_constraint(x, p[0])
+            for x, p in zip(leaves, pins, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, kept)
+
+    def pinned_run(carry: Carry, key_data: Any, rest: Any, batch: Any) -> Any:
+        new_carry, new_rest, aux = fn(carry, key_data, rest, batch)
+        new_rest = None if new_rest is None else pin(new_rest, rest_pins)
+        return pin(new_carry, carry_pins), new_rest, aux
+
+    return pinned_run

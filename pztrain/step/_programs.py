@@ -13,7 +13,7 @@ from pztrain._members import member_count
 from pztrain.partition import split_rest
 from pztrain.state import TrainState
 from pztrain.step import _fns
-from pztrain.step._members import over_members
+from pztrain.step._members import PinnedMembers, over_members
 from pztrain.step._mesh import Layout, MeshLayout
 from pztrain.step._on_mesh import OnMesh
 from pztrain.step._types import Carry, Inputs, Static, key_data
@@ -170,6 +170,9 @@ def train_programs(
             lambda: OnMesh(grads, layout, {}, ("state", "inputs")),
             OnMesh(aux, layout, {}, ("state", "inputs")),
         )
+    if static.members is not None and "out_shardings" not in options:
+        step = PinnedMembers(step, options)  # outputs split as the members are
+        return TrainPrograms(step, lambda: jax.jit(grads), aux)
     return TrainPrograms(jax.jit(step, **options), lambda: jax.jit(grads), aux)
 
 

@@ -336,10 +336,10 @@ class TrainStep:
         given = batch = one_batch(batch, arrays)
         if not isinstance(batch, Mapping):
             batch = batch.batch_shapes()
-        elif self.steps_per_call > 1:  # the metrics of one step, from one slice
-            batch = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch
-            )
+        elif self.steps_per_call > 1:  # one step's slice (steps after the members)
+            a, sds = int(self.member_batches), jax.ShapeDtypeStruct
+            cut = lambda x: sds(x.shape[:a] + x.shape[a + 1 :], x.dtype)  # noqa: E731
+            batch = jax.tree.map(cut, batch)
         found = self._lookup(state)
         carry, inputs = args_of(state, found, batch, opt_state=False)
         names = found.program.metric_names

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -349,6 +350,33 @@ def test_keep_best_whose_metric_never_appears_warns(tmp_path):
     ckpt = pztrain.Checkpoints(tmp_path, every_steps=2, keep_best=1, monitor="acc")
     with pytest.warns(UserWarning, match="ranked no checkpoint: .*'acc'"):
         train(new_state(), ckpt, num_steps=4, log_every=2)
+
+
+class _CtrlCAt(pztrain.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_log(self, state, record):
+        if record["step"] == self.step:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_keep_best_stopped_before_its_evaluation_ran_does_not_warn(tmp_path):
+    """Ctrl-C before the monitored evaluation first ran (a combination-matrix
+    row): the monitor is right, so no warning tells the user to change it,
+    and the resumed run ranks its saves."""
+
+    def ckpt():
+        return pztrain.Checkpoints(
+            tmp_path, every_steps=2, keep_last=1, keep_best=1, monitor="eval/loss"
+        )
+
+    kw = dict(eval_step=EVAL, eval_data=DATA, eval_every=4, log_every=2, num_steps=4)
+    _, history = train(new_state(), ckpt(), callbacks=[_CtrlCAt(2)], **kw)
+    assert history.stop_reason == "interrupted"
+    resumed = ckpt()
+    train(new_state(), resumed, resume=True, **kw)
+    assert resumed.best_step() == 4
 
 
 # ------------------------------------- one Checkpoints object, several runs
