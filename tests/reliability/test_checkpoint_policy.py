@@ -346,10 +346,29 @@ def test_keep_best_by_a_train_metric_ranks_the_saves(tmp_path):
     assert pztrain.read_metadata(tmp_path / "6")["metadata"]["metrics"]["loss"] > 0
 
 
-def test_keep_best_whose_metric_never_appears_warns(tmp_path):
-    ckpt = pztrain.Checkpoints(tmp_path, every_steps=2, keep_best=1, monitor="acc")
-    with pytest.warns(UserWarning, match="ranked no checkpoint: .*'acc'"):
+def test_keep_best_whose_metric_never_appears_is_refused_or_warns(tmp_path):
+    # Data read ahead: the train metrics are known, the typo is refused at once.
+    ckpt = pztrain.Checkpoints(
+        tmp_path / "a", every_steps=2, keep_best=1, monitor="acc"
+    )
+    with pytest.raises(ValueError, match="monitors 'acc', which no train record"):
         train(new_state(), ckpt, num_steps=4, log_every=2)
+    assert not (tmp_path / "a").exists()
+    # Data read once (a generator): not known before the run, warned at its end.
+    ckpt = pztrain.Checkpoints(
+        tmp_path / "b", every_steps=2, keep_best=1, monitor="acc"
+    )
+    batches = ({"x": X} for _ in range(4))
+    with pytest.warns(UserWarning, match="ranked no checkpoint: .*'acc'"):
+        pztrain.fit(
+            new_state(),
+            STEP,
+            batches,
+            progress=False,
+            checkpoints=ckpt,
+            num_steps=4,
+            log_every=2,
+        )
 
 
 class _CtrlCAt(pztrain.Callback):
