@@ -220,11 +220,16 @@ def _launch(run_dir: Path, num: int, kill: int, tag: str) -> list:
 
 
 def _reads(run_dir: Path, tag: str, num: int) -> list[list[int]]:
-    """The example ids each process read, in order."""
-    return [
+    """The example ids each process read for its steps, in order. A lone
+    process first reads the batch of the given state's step once ahead, to
+    check it before anything is written (before a resume): left out."""
+    reads = [
         [int(i) for i in (run_dir / f"reads-{tag}-{p}.txt").read_text().split()]
         for p in range(num)
     ]
+    if num == 1:
+        reads[0] = reads[0][multihost.BATCH :]  # the look-ahead
+    return reads
 
 
 def _global_batches(reads: list[list[int]], start: int, stop: int) -> dict:
