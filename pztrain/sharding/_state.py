@@ -231,6 +231,10 @@ def sharded_initial_state(
         return jax.tree.unflatten(made["treedef"], leaves)
 
     abstract = whole(jax.eval_shape(make_arrays))
+    if all(x is None for x in made["others"]):  # arrays alone: one trace of
+        abstract = jax.eval_shape(make_state)  # make_state, cached by jit, so
+        shardings = state_shardings(abstract, mesh, rules)  # every call gives
+        return jax.jit(make_state, out_shardings=shardings)()  # one structure
     shardings = state_shardings(abstract, mesh, rules)
     out = [s for s, x in zip(jax.tree.leaves(shardings), made["others"], strict=True)
            if x is None]  # fmt: skip
