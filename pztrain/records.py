@@ -2,7 +2,7 @@
 
 Leaf types that the loop, the callbacks, the loggers and the checkpoints all
 speak of; this module imports nothing else of pztrain but its plotting
-(`pztrain._plot`).
+(``pztrain._plot``).
 """
 
 from __future__ import annotations

@@ -136,6 +136,7 @@ def _small_site(tmp_path: Path, index: str, notebook_cells=None) -> Path:
     (site / "docs").mkdir(parents=True)
     (site / "notebooks").mkdir()
     shutil.copyfile(ROOT / "docs" / "conf.py", site / "docs" / "conf.py")
+    shutil.copyfile(ROOT / "pyproject.toml", site / "pyproject.toml")  # its address
     shutil.copytree(ROOT / "docs" / "_static", site / "docs" / "_static")
     shutil.copytree(ROOT / "docs" / "_ext", site / "docs" / "_ext")
     (site / "docs" / "index.md").write_text(index)
