@@ -1,8 +1,8 @@
 """The records of a run: `History`, `LoopInfo` and `Stop`.
 
 Leaf types that the loop, the callbacks, the loggers and the checkpoints all
-speak of; this module imports nothing else of pztrain but its plotting
-(``pztrain._plot``).
+speak of; this module imports nothing else of pztrain but the drawing of
+`History.plot`.
 """
 
 from __future__ import annotations
