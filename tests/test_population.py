@@ -389,12 +389,12 @@ MESH_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
-def test_members_split_over_a_mesh_axis():
+def _on_four_devices(script: str) -> str:
+    """``script``'s output, run in a process of 4 CPU devices (it must succeed)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run(
-        [sys.executable, "-c", MESH_SCRIPT],
+        [sys.executable, "-c", script],
         env=env,
         cwd=root,
         capture_output=True,
@@ -402,7 +402,12 @@ def test_members_split_over_a_mesh_axis():
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "ok (4,)" in out.stdout
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_members_split_over_a_mesh_axis():
+    assert "ok (4,)" in _on_four_devices(MESH_SCRIPT)
 
 
 NNX_MESH_SCRIPT = textwrap.dedent(
@@ -432,18 +437,7 @@ NNX_MESH_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_an_nnx_populations_state_variables_stay_split_after_a_step():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run(
-        [sys.executable, "-c", NNX_MESH_SCRIPT],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "ok (4,)" in out.stdout
+    assert "ok (4,)" in _on_four_devices(NNX_MESH_SCRIPT)
 
 
 def test_progress_bar_shows_the_mean_and_the_members_range():
