@@ -8,7 +8,7 @@ runs the whole list in that order.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -35,7 +35,8 @@ def host_reads() -> Any:
     return jax.transfer_guard_device_to_host("allow")
 
 
-def eval_inputs() -> Any:
+@contextlib.contextmanager
+def eval_inputs() -> Iterator[None]:
     """The context of an evaluation's batches (an eval point): host→device and
     device→device transfers allowed (jit moves host batches, the sums take
     their weights and gather the values of a mesh); reads stay guarded.
@@ -44,17 +45,11 @@ def eval_inputs() -> Any:
     (``jax.device_put``), so a run under ``jax.transfer_guard("disallow")``
     proves that nothing moves implicitly between host points.
     """
-    return _EvalTransfers()
-
-
-class _EvalTransfers(contextlib.ExitStack):
-    """Host→device and device→device transfers allowed (reads stay guarded)."""
-
-    def __enter__(self):
-        stack = super().__enter__()
-        stack.enter_context(jax.transfer_guard_host_to_device("allow"))
-        stack.enter_context(jax.transfer_guard_device_to_device("allow"))
-        return stack
+    with (
+        jax.transfer_guard_host_to_device("allow"),
+        jax.transfer_guard_device_to_device("allow"),
+    ):
+        yield
 
 
 class Hooks:
