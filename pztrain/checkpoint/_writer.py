@@ -42,6 +42,7 @@ class Writer:
         self._manager: Any = None
         self._saving: int | None = None  # a background save not yet confirmed
         self.failed: CheckpointError | None = None
+        self._failed_step: int | None = None
 
     @property
     def manager(self) -> Any:
@@ -137,10 +138,15 @@ class Writer:
             self._manager = None
             with contextlib.suppress(Exception):  # the save's error matters more
                 manager.close()
+            # A failed save's other writer threads may still have been writing
+            # when its temporaries were first removed; closed, they are done.
+            if self.failed is not None:
+                _directory.remove_temporaries(self.directory, self._failed_step)
 
     def _failed(self, step: int | None, error: Exception) -> CheckpointError:
         """The error of a failed save (kept: later calls raise it too)."""
         self._saving = None
+        self._failed_step = step
         self.failed = _directory.failed_save(self.directory, step, error)
         return self.failed
 
