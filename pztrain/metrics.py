@@ -12,6 +12,7 @@ same over an evaluation's batches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -115,9 +116,9 @@ class MetricSums:
         one row of sums per member (a step maps over the rows). ``states``:
         metric name → the shapes of its state (`metric_state_shapes`; with the
         member axis for a population), made zeros."""
-        with jax.transfer_guard_host_to_device("allow"):  # asked for: fresh sums
+        with jax.transfer_guard_host_to_device("allow"):  # asked for: fresh states
             zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), states or {})
-            return cls(tuple(names), jnp.asarray(_empty(names, members)), zeros)
+        return cls(tuple(names), _empty_on_device(tuple(names), members), zeros)
 
     def add(self, loss: jax.Array, aux: Any, step: jax.Array) -> MetricSums:
         """The sums with one step's loss and aux metrics added (traceable).
@@ -210,13 +211,30 @@ def _fresh(sums: MetricSums) -> MetricSums:
     """Zero sums placed as ``sums`` are: on the devices of its rows (a
     population split over them with its members), committed to a device only
     if ``sums`` were, so that the step sees the same inputs as on its first
-    call (a committed input where there was none is a new compilation)."""
+    call (a committed input where there was none is a new compilation).
+    Uncommitted sums (one device) get theirs from a program: no transfer, and
+    no wait for the steps still running (a host transfer waits behind them)."""
+    if not sums.packed.committed:
+        return _fresh_on_device(sums)
     members = None if sums.packed.ndim == 1 else sums.packed.shape[0]
-    packed = _placed_as(MetricSums.zeros(sums.names, members).packed, sums.packed)
+    packed = _placed_as(_empty(sums.names, members), sums.packed)  # one transfer
     zeros = jax.tree.map(
         lambda x: _placed_as(np.zeros(x.shape, x.dtype), x), sums.states
     )
     return MetricSums(sums.names, packed, zeros)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _empty_on_device(names: tuple[str, ...], members: int | None) -> jax.Array:
+    """`_empty` made by a program: no host transfer, no wait."""
+    return jnp.asarray(_empty(names, members))
+
+
+@jax.jit
+def _fresh_on_device(sums: MetricSums) -> MetricSums:
+    members = None if sums.packed.ndim == 1 else sums.packed.shape[0]
+    packed = jnp.asarray(_empty(sums.names, members))  # a constant of the program
+    return MetricSums(sums.names, packed, jax.tree.map(jnp.zeros_like, sums.states))
 
 
 def _placed_as(x: Any, like: jax.Array) -> jax.Array:
