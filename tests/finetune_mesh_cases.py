@@ -86,12 +86,18 @@ def _fsdp(mesh):
     }
 
 
-def _lora_fit(folder, ckpt, num_steps, step, shardings=None, resume=False):
+def _lora_fit(folder, ckpt, num_steps, step, mesh=None, resume=False):
+    """A LoRA run over the base in ``folder``: on ``mesh``, the base read
+    straight onto it (FSDP), the state then put there as the many-devices
+    guide does (`pztrain.shard_state`: the adapters replicated)."""
+    shardings = None if mesh is None else _fsdp(mesh)
     base, _ = load_pretrained(folder, abstract_llama(), MAPPING, shardings=shardings)
     model = add_lora(base, LORA, jax.random.key(1))
     state = pztrain.TrainState.initial_state(
         model, optax.adam(3e-2), jax.random.key(0), trainable=is_adapter
     )
+    if mesh is not None:
+        state = pztrain.shard_state(state, mesh)
     batches = [{"tokens": TOKENS}, {"tokens": TOKENS[::-1]}] * 2
     return pztrain.fit(
         state,
@@ -107,28 +113,24 @@ def _lora_fit(folder, ckpt, num_steps, step, shardings=None, resume=False):
 
 
 def test_lora_over_a_base_read_onto_the_mesh_resumes_and_exports(tmp_path):
-    write_llama(tmp_path / "llama")
+    folder = tmp_path / "llama"
+    write_llama(folder)
     mesh = jax.make_mesh((8,), ("data",))
-    shardings = _fsdp(mesh)
     on_mesh = pztrain.build_train_step(_lm_loss, mesh=mesh)
-    straight = _lora_fit(tmp_path / "llama", tmp_path / "a", 4, on_mesh, shardings)
+    straight = _lora_fit(folder, tmp_path / "a", 4, on_mesh, mesh)
     weights, _ = partition.split(straight.model, frozen=True)
-    for name, sharding in shardings.items():  # the base stayed split
+    for name, sharding in _fsdp(mesh).items():  # the base stayed split
         assert weights[name].sharding == sharding, name
-    split = shardings["transformer/block_0/mlp/out_linear.weights"]
+    split = weights["transformer/block_0/mlp/out_linear.weights"].sharding
     assert not split.is_fully_replicated
 
-    _lora_fit(tmp_path / "llama", tmp_path / "b", 2, on_mesh, shardings)
-    resumed = _lora_fit(
-        tmp_path / "llama", tmp_path / "b", 4, on_mesh, shardings, resume=True
-    )
+    _lora_fit(folder, tmp_path / "b", 2, on_mesh, mesh)
+    resumed = _lora_fit(folder, tmp_path / "b", 4, on_mesh, mesh, resume=True)
     assert int(resumed.step) == 4
     for name, x in straight.params.items():
         np.testing.assert_array_equal(resumed.params[name], x, name)
 
-    one = _lora_fit(
-        tmp_path / "llama", tmp_path / "c", 4, pztrain.build_train_step(_lm_loss)
-    )
+    one = _lora_fit(folder, tmp_path / "c", 4, pztrain.build_train_step(_lm_loss))
     for run, state in (("mesh", straight), ("one", one)):
         export_peft(tmp_path / run, state.model, MAPPING)
     read = lambda run: safetensors.numpy.load_file(  # noqa: E731

@@ -162,6 +162,30 @@ def test_a_lora_run_resumes_where_it_stopped(llama, tmp_path):
         np.testing.assert_array_equal(resumed.params[name], x)
 
 
+def test_shard_state_keeps_a_base_read_onto_the_mesh_where_it_is(llama):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("data",))
+    name = "transformer/block_0/mlp/out_linear.weights"
+    split = NamedSharding(mesh, P("data", None))
+    base, _ = load_pretrained(
+        llama[0], abstract_llama(), MAPPING, shardings={name: split}
+    )
+    state = pztrain.TrainState.initial_state(
+        add_lora(base, LORA, jax.random.key(1)),
+        optax.adam(3e-2),
+        jax.random.key(0),
+        trainable=is_adapter,
+    )
+    placed = pztrain.shard_state(state, mesh)
+    weights, _ = pztrain.partition.split(placed.model, frozen=True)
+    assert weights[name].sharding == split  # not gathered: P() would
+    other = weights["transformer/block_0/mlp/value_linear.weights"]
+    assert other.sharding.spec == P()  # on one device, now on the mesh
+    assert all(x.sharding.spec == P() for x in placed.params.values())
+
+
 def test_targets_that_match_no_linear_are_named(llama):
     base, _ = load_pretrained(llama[0], abstract_llama(), MAPPING)
     with pytest.raises(ValueError, match=re.escape("matches no linear layer's weight")):
