@@ -67,6 +67,7 @@ def test_each_tensor_is_read_once_and_lands_sharded(tmp_path):
 
 LORA = LoraConfig(rank=2, alpha=4.0, targets=r"attention/(query|value)")
 TOKENS = np.random.default_rng(0).integers(0, 11, (8, 9)).astype(np.int32)
+TX = optax.adam(3e-2)  # one optimizer object: the runs on the mesh share a program
 
 
 def _lm_loss(*, model, state, rng, tokens):
@@ -94,7 +95,7 @@ def _lora_fit(folder, ckpt, num_steps, step, mesh=None, resume=False):
     base, _ = load_pretrained(folder, abstract_llama(), MAPPING, shardings=shardings)
     model = add_lora(base, LORA, jax.random.key(1))
     state = pztrain.TrainState.initial_state(
-        model, optax.adam(3e-2), jax.random.key(0), trainable=is_adapter
+        model, TX, jax.random.key(0), trainable=is_adapter
     )
     if mesh is not None:
         state = pztrain.shard_state(state, mesh)
