@@ -73,6 +73,21 @@ def test_round_trip_reproduces_the_source_bit_for_bit(tmp_path, shard_bytes):
     assert llama_config(read_config(tmp_path / "out")) == llama_config(HF_CONFIG)
 
 
+def test_the_rotary_base_is_read_as_each_transformers_version_writes_it():
+    v5 = {**HF_CONFIG, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}
+    del v5["rope_theta"]  # transformers 5 writes it in rope_parameters alone
+    assert llama_config(v5).rope_wavelength == 5e5
+    assert llama_config({**HF_CONFIG, "rope_theta": 5e5}).rope_wavelength == 5e5
+    assert llama_config(HF_CONFIG).rope_wavelength == 1e4
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}
+    for scaled in (
+        {**HF_CONFIG, "rope_parameters": llama3},  # transformers 5
+        {**HF_CONFIG, "rope_scaling": llama3},  # transformers 4
+    ):
+        with pytest.raises(ValueError, match=re.escape("{'rope_type': 'llama3'}")):
+            llama_config(scaled)
+
+
 def test_bfloat16_on_load_rounds_once(llama):
     folder, tensors = llama
     model, _ = load_pretrained(folder, abstract_llama(), MAPPING, dtype=jnp.bfloat16)

@@ -162,6 +162,30 @@ def test_a_lora_run_resumes_where_it_stopped(llama, tmp_path):
         np.testing.assert_array_equal(resumed.params[name], x)
 
 
+def test_shard_state_keeps_a_base_read_onto_the_mesh_where_it_is(llama):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("data",))
+    name = "transformer/block_0/mlp/out_linear.weights"
+    split = NamedSharding(mesh, P("data", None))
+    base, _ = load_pretrained(
+        llama[0], abstract_llama(), MAPPING, shardings={name: split}
+    )
+    state = pztrain.TrainState.initial_state(
+        add_lora(base, LORA, jax.random.key(1)),
+        optax.adam(3e-2),
+        jax.random.key(0),
+        trainable=is_adapter,
+    )
+    placed = pztrain.shard_state(state, mesh)
+    weights, _ = pztrain.partition.split(placed.model, frozen=True)
+    assert weights[name].sharding == split  # not gathered: P() would
+    other = weights["transformer/block_0/mlp/value_linear.weights"]
+    assert other.sharding.spec == P()  # on one device, now on the mesh
+    assert all(x.sharding.spec == P() for x in placed.params.values())
+
+
 def test_targets_that_match_no_linear_are_named(llama):
     base, _ = load_pretrained(llama[0], abstract_llama(), MAPPING)
     with pytest.raises(ValueError, match=re.escape("matches no linear layer's weight")):
@@ -288,3 +312,73 @@ def test_an_ema_of_the_adapters_alone(llama, tmp_path):
     assert all(x.dtype == jnp.float32 for x in ema.values())
     path = pztrain.save_params(tmp_path / "ema", state, ema=True)
     assert set(pztrain.read_metadata(path)["params"]["names"]) == set(state.params)
+
+
+# ------------------------------------------------- the evaluation job, the EMA
+
+
+def lm_eval(*, model, state, rng, tokens):
+    return {"loss": lm_loss(model=model, state=state, rng=rng, tokens=tokens)[0]}
+
+
+def ema_lora_state(folder, seed=1):
+    base, _ = load_pretrained(folder, abstract_llama(), MAPPING, dtype=jnp.bfloat16)
+    model = add_lora(base, LORA, jax.random.key(seed))
+    tx = pztrain.with_ema(optax.adam(3e-2), 0.5)
+    return pztrain.TrainState.initial_state(
+        model, tx, jax.random.key(0), trainable=is_adapter
+    )
+
+
+@pytest.mark.slow  # a fit with evaluations and checkpoints, then the job
+def test_the_evaluation_job_on_a_lora_run_gives_the_runs_own_evaluations(
+    llama, tmp_path
+):
+    valid = [{"tokens": TOKENS[:2]}, {"tokens": TOKENS[2:]}]
+    evaluations = [
+        pztrain.Evaluation("plain", pztrain.build_eval_step(lm_eval), valid, every=2),
+        pztrain.Evaluation(
+            "avg", pztrain.build_eval_step(lm_eval), valid, every=2, ema="both"
+        ),
+    ]
+    state, history = pztrain.fit(
+        ema_lora_state(llama[0]),
+        pztrain.build_train_step(lm_loss),
+        [{"tokens": TOKENS[::-1]}, {"tokens": TOKENS}] * 3,
+        num_steps=6,
+        log_every=2,
+        evaluations=evaluations,
+        checkpoints=pztrain.Checkpoints(
+            tmp_path / "ckpt", every_steps=2, keep_last=3, async_save=False
+        ),
+        progress=False,
+        loggers=[],
+    )
+    run = {r["step"]: r["metrics"] for r in history.records if r["split"] == "eval"}
+    assert sorted(run) == [2, 4, 6] and {"plain/loss", "avg/ema/loss"} <= set(run[2])
+    like = ema_lora_state(llama[0], seed=7)  # other adapters: all from the files
+    job = pztrain.evaluate_checkpoints(
+        tmp_path / "ckpt", like, evaluations, run_dir=tmp_path / "job",
+        follow=False, priority=None,
+    )  # fmt: skip
+    got = {r["step"]: r["metrics"] for r in job.records}
+    assert sorted(got) == [2, 4, 6]
+    for step, metrics in got.items():
+        assert metrics == {k: run[step][k] for k in metrics}, step
+    assert got[6]["avg/ema/loss"] != got[6]["avg/loss"]
+
+    # The EMA of a full-state checkpoint: adapters alone, into a LoRA state
+    # built the same way (a bare model counts its frozen base as params too).
+    meta = pztrain.read_metadata(tmp_path / "ckpt" / "6")
+    assert set(meta["params"]["names"]) == set(state.params) == set(state.ema_params)
+    fresh = ema_lora_state(llama[0], seed=7)
+    loaded = pztrain.load_params(tmp_path / "ckpt" / "6", fresh, ema=True)
+    ema_state = state.using_ema()
+    assert set(loaded.params) == set(ema_state.params)
+    for name, x in ema_state.params.items():
+        assert x.dtype == jnp.float32
+        np.testing.assert_array_equal(loaded.params[name], x, name)
+    tokens = np.array([1, 5, 2, 9, 3])
+    np.testing.assert_array_equal(
+        penzai_logits(loaded.model, tokens), penzai_logits(ema_state.model, tokens)
+    )

@@ -95,12 +95,30 @@ def llama_mapping(config: Any, name: str = "transformer") -> WeightMapping:
     return WeightMapping(rules, name="llama")
 
 
-_UNSUPPORTED = ("rope_scaling", "attention_bias", "mlp_bias")
+_UNSUPPORTED = ("attention_bias", "mlp_bias")
+
+
+def _rope(c: Mapping[str, Any]) -> tuple[float, dict[str, Any]]:
+    """The rotary base of a configuration, and the rotary settings penzai's
+    transformer lacks (by name). transformers 5 writes them in
+    ``rope_parameters`` (``rope_type``, ``rope_theta``); earlier versions as
+    ``rope_theta`` and ``rope_scaling`` beside the other fields."""
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", c.get("rope_theta", 10_000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    bad = {} if kind == "default" else {"rope_type": kind}
+    if partial not in (None, 1, 1.0):
+        bad["partial_rotary_factor"] = partial
+    return float(theta), bad
 
 
 def llama_config(hf_config: Mapping[str, Any], **overrides: Any) -> Any:
     """penzai's ``LlamalikeTransformerConfig`` for a Hugging Face Llama
     ``config.json`` (as a dict; `read_config` reads one).
+
+    The rotary base is read where the saving version of ``transformers`` put
+    it: ``rope_parameters["rope_theta"]`` (5.x) or ``rope_theta`` (4.x).
 
     Args:
       hf_config: The checkpoint's configuration.
@@ -109,7 +127,8 @@ def llama_config(hf_config: Mapping[str, Any], **overrides: Any) -> Any:
 
     Raises:
       ValueError: a feature penzai's llama-like transformer lacks (tied
-        embeddings, RoPE scaling, biases), named.
+        embeddings, a RoPE type other than ``"default"`` such as Llama 3's
+        scaling, partial rotary embeddings, biases), named.
 
     Example:
       >>> from pztrain.finetune import llama_config
@@ -122,7 +141,8 @@ def llama_config(hf_config: Mapping[str, Any], **overrides: Any) -> Any:
     from penzai.models.transformer.variants import llamalike_common
 
     c = dict(hf_config)
-    bad = {k: c[k] for k in _UNSUPPORTED if c.get(k)}
+    theta, bad = _rope(c)
+    bad |= {k: c[k] for k in _UNSUPPORTED if c.get(k)}
     if c.get("tie_word_embeddings"):
         bad["tie_word_embeddings"] = True
     if bad:
@@ -142,7 +162,7 @@ def llama_config(hf_config: Mapping[str, Any], **overrides: Any) -> Any:
         vocab_size=c["vocab_size"],
         mlp_variant="swiglu",
         tie_embedder_and_logits=False,
-        rope_wavelength=c.get("rope_theta", 10_000.0),
+        rope_wavelength=theta,
         rms_norm_eps=c.get("rms_norm_eps", 1e-6),
         parameter_dtype=jnp.float32,
         activation_dtype=jnp.float32,

@@ -9,7 +9,9 @@ after step and splits each batch along the mesh's data axis (`data_sharding`).
 
 Params go where `pztrain.sharding.ShardingRules` say; optimizer state follows
 its params (``optax.tree_map_params``); everything else (the step, the key, the
-model's other arrays, the loss function's state) is replicated.
+model's other arrays, the loss function's state) is replicated, but for the
+model's other arrays already split on the mesh (a frozen pretrained base read
+straight onto it, `pztrain.finetune.load_pretrained`), which stay as they are.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax
@@ -55,8 +57,9 @@ def state_shardings(
     """The `TrainState` of `jax.sharding.NamedSharding` s for ``state`` on ``mesh``.
 
     Params by ``rules`` (replicated without rules: data parallel), optimizer
-    state like its params, everything else replicated. ``state`` may be
-    abstract (``jax.eval_shape`` output).
+    state like its params, everything else replicated; an array of
+    ``model_without_params`` already on ``mesh`` (a frozen base read onto it)
+    keeps its sharding. ``state`` may be abstract (``jax.eval_shape`` output).
 
     Args:
       state: A `TrainState`, concrete or abstract.
@@ -92,9 +95,23 @@ def state_shardings(
     )
     replicated = NamedSharding(mesh, P())
     everything = jax.tree.map(lambda _: replicated, state.replace(params=None))
-    return everything.replace(
-        params=params, opt_state=_opt_shardings(state, params, replicated)
+    rest = jax.tree.map(
+        lambda x: _on_mesh_or(x, mesh, replicated), state.model_without_params
     )
+    return everything.replace(
+        params=params,
+        opt_state=_opt_shardings(state, params, replicated),
+        model_without_params=rest,
+    )
+
+
+def _on_mesh_or(x: Any, mesh: Mesh, replicated: NamedSharding) -> NamedSharding:
+    """The sharding of ``x`` if it is already on ``mesh`` (a frozen base read
+    straight onto it: gathering it would undo that), else ``replicated``."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+        return sharding
+    return replicated
 
 
 def _opt_shardings(state: TrainState, params: Any, replicated: NamedSharding) -> Any:
