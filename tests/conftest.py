@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import jax
+import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -47,8 +48,30 @@ _SLOW_DOCTESTS = (
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     for item in items:
         if item.name in _SLOW_DOCTESTS:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def eight_device_outcomes(request, tmp_path_factory):
+    """The outcomes of every cases file that the session's selected tests name
+    with ``@pytest.mark.eight_devices(file)``, run in one subprocess on 8
+    simulated devices (``tests/device_cases.py``)."""
+    from device_cases import run_cases
+
+    files = {
+        marker.args[0]
+        for item in request.session.items
+        for marker in item.iter_markers("eight_devices")
+    }
+    return run_cases(sorted(files), tmp_path_factory.mktemp("eight_devices"))
+
+
+@pytest.fixture
+def eight_device_cases(request, eight_device_outcomes):
+    """The outcomes of the cases file this test names with
+    ``@pytest.mark.eight_devices(file)``."""
+    marker = request.node.get_closest_marker("eight_devices")
+    assert marker is not None, "mark the test with @pytest.mark.eight_devices(file)"
+    return eight_device_outcomes[marker.args[0]]
