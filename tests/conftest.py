@@ -56,16 +56,19 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def eight_device_outcomes(request, tmp_path_factory):
     """The outcomes of every cases file that the session's selected tests name
-    with ``@pytest.mark.eight_devices(file)``, run in one subprocess on 8
+    with ``@pytest.mark.eight_devices(file)``, run once in one subprocess on 8
     simulated devices (``tests/device_cases.py``)."""
-    from device_cases import run_cases
+    from device_cases import shared_run
 
     files = {
         marker.args[0]
         for item in request.session.items
         for marker in item.iter_markers("eight_devices")
     }
-    return run_cases(sorted(files), tmp_path_factory.mktemp("eight_devices"))
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one run for all the workers
+        base = base.parent
+    return shared_run(sorted(files), base / "eight_devices")
 
 
 @pytest.fixture

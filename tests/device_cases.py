@@ -12,11 +12,13 @@ test then checks its own file's outcomes, read from the run's JUnit XML.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -83,6 +85,19 @@ def run_cases(files: list[str], out: Path, devices: int = 8) -> dict[str, Outcom
                     name, cases = case.get("name", ""), outcomes[f].cases
                     cases[name] = cases.get(name) or _failure(case)  # teardown
     return outcomes
+
+
+def shared_run(files: list[str], out: Path) -> dict[str, Outcomes]:
+    """`run_cases` once for the processes that share ``out`` (pytest-xdist's
+    workers): the first runs them, the others wait and read its outcomes."""
+    out.mkdir(parents=True, exist_ok=True)
+    done = out / "outcomes.json"
+    with open(out / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            outcomes = run_cases(files, out)
+            done.write_text(json.dumps({f: asdict(o) for f, o in outcomes.items()}))
+    return {f: Outcomes(**o) for f, o in json.loads(done.read_text()).items()}
 
 
 def _failure(case: ET.Element) -> str | None:
