@@ -4,10 +4,11 @@ cannot run in the main test process).
 
 A test names the file whose cases it stands for with
 ``@pytest.mark.eight_devices("mesh_cases.py")`` and takes the
-``eight_device_cases`` fixture (``tests/conftest.py``): the first such test of
-a session runs every file named by the session's selected tests in one
-subprocess (one Python, jax and pytest start instead of one per file), and each
-test then checks its own file's outcomes, read from the run's JUnit XML.
+``eight_device_cases`` fixture (``tests/conftest.py``): once collected, a
+session starts every file named by its selected tests in one subprocess, in
+the background (one Python, jax and pytest start instead of one per file, and
+the cases run beside the main process's tests); each test then checks its own
+file's outcomes, read from the run's JUnit XML.
 """
 
 from __future__ import annotations
@@ -56,35 +57,56 @@ class Outcomes:
         assert self.cases[name] is None, self.cases[name][-8000:]
 
 
+class CasesRun:
+    """The cases ``files`` (names in ``tests/``, or paths) running in one pytest
+    subprocess on ``devices`` simulated devices, started at once; ``out``: a
+    directory for its report and output."""
+
+    def __init__(self, files: list[str], out: Path, devices: int = 8):
+        self.files, self.out = list(files), out
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        paths = [str(ROOT), str(HERE), *filter(None, [env.get("PYTHONPATH")])]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={out / 'cases.xml'}"]
+        with open(out / "output.txt", "w") as log:  # a file: nothing blocks on a pipe
+            self.process = subprocess.Popen(
+                [*cmd, *(str(HERE / f) for f in self.files)],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def outcomes(self, timeout: float = 1800) -> dict[str, Outcomes]:
+        """Waits for the run; each file's outcomes, read from its JUnit XML."""
+        try:
+            self.process.wait(timeout)
+        finally:
+            self.stop()
+        log = (self.out / "output.txt").read_text(errors="replace")[-7000:]
+        outcomes = {f: Outcomes(f, log=log) for f in self.files}
+        report = self.out / "cases.xml"
+        if report.exists():
+            for case in ET.parse(report).getroot().iter("testcase"):
+                module = case.get("classname", "").split(".")
+                for f in self.files:
+                    if Path(f).stem in module:
+                        name, cases = case.get("name", ""), outcomes[f].cases
+                        cases[name] = cases.get(name) or _failure(case)  # teardown
+        return outcomes
+
+    def stop(self) -> None:
+        """Ends the subprocess if it still runs (a session cut short)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
 def run_cases(files: list[str], out: Path, devices: int = 8) -> dict[str, Outcomes]:
-    """Runs the cases ``files`` (names in ``tests/``) in one pytest subprocess
-    on ``devices`` simulated devices; ``out``: a directory for its report."""
-    if not files:
-        return {}
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    paths = [str(ROOT), str(HERE), *filter(None, [env.get("PYTHONPATH")])]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    report = out / "cases.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={report}"]
-    result = subprocess.run(
-        [*cmd, *(str(HERE / f) for f in files)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    log = result.stdout[-4000:] + result.stderr[-3000:]
-    outcomes = {f: Outcomes(f, log=log) for f in files}
-    if report.exists():
-        for case in ET.parse(report).getroot().iter("testcase"):
-            module = case.get("classname", "").split(".")
-            for f in files:
-                if Path(f).stem in module:
-                    name, cases = case.get("name", ""), outcomes[f].cases
-                    cases[name] = cases.get(name) or _failure(case)  # teardown
-    return outcomes
+    """The outcomes of the cases ``files`` run in one subprocess (`CasesRun`)."""
+    return CasesRun(files, out, devices).outcomes() if files else {}
 
 
 def shared_run(files: list[str], out: Path) -> dict[str, Outcomes]:
