@@ -28,7 +28,8 @@ def _run(*args: str, timeout: int) -> str:
 
 
 def test_step_benchmark_quick_mode_completes():
-    out = _run("benchmarks/step_bench.py", "--quick", timeout=600)
+    # the collector off only: "--gc both" times every round twice (on, off)
+    out = _run("benchmarks/step_bench.py", "--quick", "--gc", "off", timeout=600)
     assert "Steps/s relative to the raw jit baseline" in out
     for name in ("W0", "W1", "W3s"):
         assert name in out
@@ -56,7 +57,9 @@ def test_mesh_benchmark_quick_mode_completes():
 
 
 def test_data_benchmark_quick_mode_completes():
-    out = _run("benchmarks/data_bench.py", "--quick", timeout=900)
+    # --quick's one round, shorter: 100 steps a trial over 4096 examples
+    args = ("--rounds", "1", "--steps", "100", "--log-every", "50")
+    out = _run("benchmarks/data_bench.py", *args, "--examples", "4096", timeout=900)
     assert "| ArrayRecord, decode=RecordLayout, 1 workers |" in out
     assert "arrays on the device" in out
     assert "target: the fast path >= 0.90x" in out

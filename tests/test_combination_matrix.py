@@ -3,16 +3,11 @@ the axes of `tests/combination_matrix.py` with every pair of values in at least
 one row, each checked against what the guides promise (`tests/matrix_runs.py`).
 
 A few rows run in the fast subset; every row runs in the full one. The
-8-device rows run in one subprocess (``XLA_FLAGS`` before jax is imported).
+8-device rows (``matrix_eight_cases.py``) run in a subprocess (``XLA_FLAGS``
+before jax is imported), with the suite's other 8-device cases.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from combination_matrix import (
@@ -29,7 +24,6 @@ from combination_matrix import (
 )
 from matrix_runs import run_job_row, run_row
 
-HERE = Path(__file__).parent
 ONE = [r for r in ROWS if r["devices"] == "1dev"]
 EIGHT = [r for r in ROWS if r["devices"] == "8dev"]
 
@@ -69,25 +63,11 @@ def test_row(row, tmp_path):
     run_row(row, tmp_path)
 
 
-@pytest.fixture(scope="module")
-def eight_device_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("matrix8") / "results.json"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
-    ids = [row_id(r) for r in EIGHT]
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "matrix_worker.py"), str(out), *ids],
-        env=env, capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
-    results = json.loads(out.read_text()) if out.exists() else {}
-    return results, proc.stderr[-3000:]
-
-
 @pytest.mark.slow
+@pytest.mark.eight_devices("matrix_eight_cases.py")
 @pytest.mark.parametrize("row", [pytest.param(r, id=row_id(r)) for r in EIGHT])
-def test_row_on_eight_devices(row, eight_device_results):
-    results, stderr = eight_device_results
-    assert results.get(row_id(row)) == "ok", results.get(row_id(row), stderr)
+def test_row_on_eight_devices(row, eight_device_cases):
+    eight_device_cases.check_case(f"test_row[{row_id(row)}]")
 
 
 @pytest.mark.slow

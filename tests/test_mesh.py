@@ -3,44 +3,21 @@ meshes, on 8 simulated devices.
 
 The cases live in ``mesh_cases.py``, ``explicit_mesh_cases.py`` and
 ``explicit_api_cases.py``: the device count must be set before jax is imported,
-so each file runs in a pytest subprocess with ``XLA_FLAGS``."""
+so they run in a pytest subprocess with ``XLA_FLAGS``, shared with the suite's
+other 8-device cases (``device_cases.py``)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow  # subprocesses, notebooks, examples
 
-ROOT = Path(__file__).resolve().parents[1]
+CASES = ["mesh_cases.py", "explicit_mesh_cases.py", "explicit_api_cases.py"]
 
 
 @pytest.mark.parametrize(
-    "cases", ["mesh_cases.py", "explicit_mesh_cases.py", "explicit_api_cases.py"]
+    "cases", [pytest.param(c, marks=pytest.mark.eight_devices(c)) for c in CASES]
 )
-def test_mesh_cases_on_eight_devices(cases):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["PYTHONPATH"] = str(ROOT)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(ROOT / "tests" / cases),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "failed" not in result.stdout
+def test_mesh_cases_on_eight_devices(cases, eight_device_cases):
+    assert eight_device_cases.file == cases
+    eight_device_cases.check()

@@ -11,16 +11,11 @@ the loop's ``host_reads`` (log, eval, epoch and checkpoint points); an
 evaluation hands its host batches to the eval step (``eval_inputs``, at its
 eval point). On CPU a device→host read never trips JAX's own guard (the array
 is already in host memory): the ``d2h_guard`` fixture of ``test_loop.py``
-emulates it. The 8-device case runs in a subprocess
-(``transfer_guard_mesh_cases.py``).
+emulates it. The 8-device cases run in a subprocess
+(``transfer_guard_mesh_cases.py``, with the suite's other 8-device cases).
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +38,6 @@ from test_loop import (  # noqa: F401 - d2h_guard: a fixture, used by name
 import pztrain
 from pztrain.loop import _sources
 from pztrain.metric_states import Max
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def population():
@@ -120,18 +113,6 @@ def test_control_an_implicit_batch_transfer_fails_fit(monkeypatch):
 
 
 @pytest.mark.slow  # a subprocess on 8 simulated devices
-def test_fit_on_eight_devices_moves_nothing_implicitly():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["PYTHONPATH"] = str(ROOT)
-    cases = ROOT / "tests" / "transfer_guard_mesh_cases.py"
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases)],
-        cwd=ROOT / "tests",
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "failed" not in result.stdout
+@pytest.mark.eight_devices("transfer_guard_mesh_cases.py")
+def test_fit_on_eight_devices_moves_nothing_implicitly(eight_device_cases):
+    eight_device_cases.check()
