@@ -18,6 +18,7 @@ from pztrain._table import text_table
 from pztrain._tree import is_array_like, is_float_array, named_leaves
 from pztrain.finetune._hf import checkpoint_files
 from pztrain.finetune._mapping import Entry, MappingError, WeightMapping, plan_import
+from pztrain.finetune._place import box_of, place
 from pztrain.finetune._transforms import read_plan, to_target
 
 __all__ = ["ImportReport", "load_pretrained", "model_params", "penzai_skeleton"]
@@ -237,31 +238,9 @@ def _sharding_of(x: Any) -> jax.sharding.Sharding:
 def _read(files: Any, e: Entry, dtype: np.dtype, sharding: Any) -> jax.Array:
     """One param: the box its addressable devices hold, read once, on them."""
     shape = e.shapes[-1]
-    indices = sharding.addressable_devices_indices_map(shape)
-    box = _bounding_box(shape, indices.values())
-    boxes, got = read_plan(e.transforms, e.shapes, box)
+    boxes, got = read_plan(e.transforms, e.shapes, box_of(sharding, shape))
     region = to_target(e.transforms, files.read(e.source, boxes[0]), boxes)
-    region = np.asarray(region).astype(dtype, copy=False)
-
-    def part(index: tuple[slice, ...]) -> np.ndarray:
-        rel = tuple(
-            slice(s.indices(n)[0] - lo, s.indices(n)[1] - lo)
-            for s, n, (lo, _) in zip(index, shape, got, strict=True)
-        )
-        return region[rel]
-
-    return jax.make_array_from_callback(shape, sharding, part)
-
-
-def _bounding_box(shape: tuple[int, ...], indices: Any) -> tuple[tuple[int, int], ...]:
-    starts, stops = list(shape), [0] * len(shape)
-    for index in indices:
-        for a, (s, n) in enumerate(zip(index, shape, strict=True)):
-            lo, hi, _ = s.indices(n)
-            starts[a], stops[a] = min(starts[a], lo), max(stops[a], hi)
-    return tuple(
-        (lo, hi) if hi > lo else (0, 0) for lo, hi in zip(starts, stops, strict=True)
-    )
+    return place(region, got, shape, sharding, dtype)
 
 
 def penzai_skeleton(build: Callable[[Any], Any]) -> Any:
