@@ -99,7 +99,7 @@ def _frozen_penzai_params(like: Any) -> tuple[dict[str, Any], Callable] | None:
     values = [x for x in leaves if is_var(x)]
     if not values or any(isinstance(x, pz_vars.AbstractVariable) for x in values):
         return None
-    named, value_defs = {}, {}
+    named, value_defs, slots = {}, {}, [x.get_slot() for x in values]
     for x in values:
         if isinstance(x, pz_vars.ParameterValue) and x.metadata.get("trainable", True):
             arrays, value_def = jax.tree.flatten(x.value)
@@ -108,21 +108,24 @@ def _frozen_penzai_params(like: Any) -> tuple[dict[str, Any], Callable] | None:
                 return None  # split names several arrays, or refuses a conflict
             if is_float_array(arrays[0]):
                 named[label], value_defs[label] = arrays[0], value_def
+    where = [i for i, x in enumerate(leaves) if is_var(x)]
 
     def rebuild(new: dict[str, Any]) -> Any:
         made: dict[Any, Any] = {}  # one variable per slot: shared ones stay shared
-        for x in values:
-            slot = x.get_slot()
+        for x, slot in zip(values, slots, strict=True):
             if slot in made:
                 continue
             label = str(x.label) if isinstance(x, pz_vars.ParameterValue) else None
-            if label in value_defs:
+            if label in value_defs:  # the unfrozen copy with its new value
                 value = value_defs[label].unflatten([new[label]])
-                x = dataclasses.replace(x, value=value)
-            made[slot] = x.unfreeze_as_copy()
-        return treedef.unflatten(
-            [made[x.get_slot()] if is_var(x) else x for x in leaves]
-        )
+                x = pz_vars.Parameter(value=value, label=x.label, metadata=x.metadata)
+                made[slot] = x
+            else:
+                made[slot] = x.unfreeze_as_copy()
+        out = list(leaves)
+        for i, slot in zip(where, slots, strict=True):
+            out[i] = made[slot]
+        return treedef.unflatten(out)
 
     return named, rebuild
 
