@@ -189,26 +189,25 @@ def load_pretrained(
       Array([[0, 2, 4],
              [1, 3, 5]], dtype=bfloat16)
     """
-    files, (targets, rebuild) = checkpoint_files(path), model_params(like)
-    want = {n: (tuple(np.shape(x)), _dtype(x, dtype)) for n, x in targets.items()}
-    entries, missing, unexpected = _plan(files, mapping, want, partial)
-    loaded = _read_all(files, entries, targets, want, shardings or {})
+    with checkpoint_files(path) as files:
+        targets, rebuild = model_params(like)
+        want = {n: (tuple(np.shape(x)), _dtype(x, dtype)) for n, x in targets.items()}
+        entries, missing, unexpected = _plan(files, mapping, want, partial)
+        where = shardings or {}
+        loaded = {
+            e.target: _read(
+                files,
+                e,
+                want[e.target][1],
+                where.get(e.target) or _sharding_of(targets[e.target]),
+            )
+            for e in entries
+        }
     loaded_from = {e.target: e.source for e in entries}
     report = ImportReport(
         str(files.where), loaded_from, missing, unexpected, files.bytes_read
     )
     return rebuild({**targets, **loaded}), report
-
-
-def _read_all(files, entries, targets, want, shardings) -> dict[str, jax.Array]:
-    loaded = {}
-    try:
-        for e in entries:
-            sharding = shardings.get(e.target) or _sharding_of(targets[e.target])
-            loaded[e.target] = _read(files, e, want[e.target][1], sharding)
-    finally:
-        files.close()
-    return loaded
 
 
 def _plan(files: Any, mapping: WeightMapping, want: Any, partial: bool) -> tuple:
