@@ -8,7 +8,13 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from pztrain.finetune._place import ALIGN, aligned_empty, box_of, device_layout
+from pztrain.finetune._place import (
+    ADOPT_BYTES,
+    ALIGN,
+    aligned_empty,
+    box_of,
+    device_layout,
+)
 
 
 def _misaligned(shape: tuple[int, ...]) -> np.ndarray:
@@ -29,15 +35,17 @@ def test_a_piece_in_an_aligned_buffer_is_adopted_by_xla_without_a_copy():
     np.testing.assert_array_equal(np.asarray(placed), x)
 
 
-def test_a_misaligned_piece_is_copied_once_converting_on_the_way():
-    x = _misaligned((8, 16))
-    assert x.ctypes.data % ALIGN
+def test_a_large_misaligned_piece_is_copied_once_converting_on_the_way():
+    x = _misaligned((256, 256))
+    assert x.ctypes.data % ALIGN and x.nbytes >= ADOPT_BYTES
     same = device_layout(x, np.float32)
     assert same.ctypes.data % ALIGN == 0 and same.flags.c_contiguous
     np.testing.assert_array_equal(same, x)
     half = device_layout(x, ml_dtypes.bfloat16)
     assert half.dtype == ml_dtypes.bfloat16 and half.ctypes.data % ALIGN == 0
     np.testing.assert_array_equal(half, x.astype(ml_dtypes.bfloat16))
+    small = _misaligned((8, 16))  # XLA:CPU's own copy is as quick
+    assert device_layout(small, np.float32) is small
 
 
 def test_a_transposed_piece_is_left_to_xla_unless_devices_share_it():

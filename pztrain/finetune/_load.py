@@ -193,16 +193,8 @@ def load_pretrained(
         targets, rebuild = model_params(like)
         want = {n: (tuple(np.shape(x)), _dtype(x, dtype)) for n, x in targets.items()}
         entries, missing, unexpected = _plan(files, mapping, want, partial)
-        where = shardings or {}
-        loaded = {
-            e.target: _read(
-                files,
-                e,
-                want[e.target][1],
-                where.get(e.target) or _sharding_of(targets[e.target]),
-            )
-            for e in entries
-        }
+        where = _shardings(entries, targets, shardings or {})
+        loaded = {e.target: _read(files, e, want[e.target][1], where) for e in entries}
     loaded_from = {e.target: e.source for e in entries}
     report = ImportReport(
         str(files.where), loaded_from, missing, unexpected, files.bytes_read
@@ -230,16 +222,22 @@ def _dtype(x: Any, dtype: Any) -> np.dtype:
     return own
 
 
-def _sharding_of(x: Any) -> jax.sharding.Sharding:
-    sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, jax.sharding.Sharding):
-        return sharding
-    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+def _shardings(entries: list[Entry], targets: Any, given: Mapping) -> dict:
+    """Each loaded param's sharding: given, else its array's, else the default
+    device's (one object for all: JAX caches by sharding)."""
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    out = {}
+    for e in entries:
+        own = getattr(targets[e.target], "sharding", None)
+        if not isinstance(own, jax.sharding.Sharding):
+            own = default
+        out[e.target] = given.get(e.target) or own
+    return out
 
 
-def _read(files: Any, e: Entry, dtype: np.dtype, sharding: Any) -> jax.Array:
+def _read(files: Any, e: Entry, dtype: np.dtype, where: Mapping) -> jax.Array:
     """One param: the box its addressable devices hold, read once, on them."""
-    shape = e.shapes[-1]
+    shape, sharding = e.shapes[-1], where[e.target]
     boxes, got = read_plan(e.transforms, e.shapes, box_of(sharding, shape))
     region = to_target(e.transforms, files.read(e.source, boxes[0]), boxes)
     return place(region, got, shape, sharding, dtype)

@@ -19,9 +19,19 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["ALIGN", "aligned_empty", "box_of", "device_layout", "place"]
+__all__ = [
+    "ADOPT_BYTES",
+    "ALIGN",
+    "aligned_empty",
+    "box_of",
+    "device_layout",
+    "place",
+]
 
 ALIGN = 64  # bytes: the alignment XLA:CPU needs to adopt a host buffer
+# Below this, XLA:CPU's own copy of a C-contiguous piece is as quick as ours
+# (measured: 16 KiB, ours 63 µs, XLA's 46; 3 MiB, ours 0.15 ms, XLA's 0.40).
+ADOPT_BYTES = 1 << 17
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -37,14 +47,16 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 def device_layout(x: np.ndarray, dtype: Any, *, shared: bool = False) -> np.ndarray:
     """``x`` as ``dtype``, in the form XLA:CPU places fastest.
 
-    A C-contiguous ``x``, or one ``shared`` by several devices, comes back in
-    a buffer XLA:CPU adopts (``x`` itself when it is one, else one copy that
-    transposes and converts on the way: every device then holds that one
-    buffer); any other ``x`` as it is, or converted in its own memory order,
-    for XLA:CPU's copy (its transpose is several times faster than NumPy's).
+    A C-contiguous ``x`` of `ADOPT_BYTES` or more, or one ``shared`` by
+    several devices, comes back in a buffer XLA:CPU adopts (``x`` itself when
+    it is one, else one copy that transposes and converts on the way: every
+    device then holds that one buffer); any other ``x`` as it is, or converted
+    in its own memory order, for XLA:CPU's copy (its transpose is several times
+    faster than NumPy's).
     """
     dtype = np.dtype(dtype)
-    if not (shared or x.flags.c_contiguous):
+    big = x.flags.c_contiguous and x.size * dtype.itemsize >= ADOPT_BYTES
+    if not (shared or big):
         return x if x.dtype == dtype else x.astype(dtype)
     if x.dtype == dtype and x.flags.c_contiguous and x.ctypes.data % ALIGN == 0:
         return x
