@@ -150,8 +150,8 @@ def load_pretrained(
     """Reads a checkpoint in Hugging Face's layout into a model like ``like``.
 
     Every name, shape and dtype is checked against ``mapping`` before any tensor
-    is read. Each array goes onto its sharding; each process reads (sliced reads)
-    only the box of each tensor its devices hold, once (``pztrain[safetensors]``).
+    is read. Each process reads (sliced reads, ``pztrain[safetensors]``) only the
+    box of each tensor its devices hold, once, and copies it once onto them.
 
     Args:
       path: A directory holding ``model.safetensors`` or shards and
@@ -191,19 +191,17 @@ def load_pretrained(
     """
     with checkpoint_files(path) as files:
         targets, rebuild = model_params(like)
-        want = {n: (tuple(np.shape(x)), _dtype(x, dtype)) for n, x in targets.items()}
-        entries, missing, unexpected = _plan(files, mapping, want, partial)
-        where = _shardings(entries, targets, shardings or {})
-        loaded = {e.target: _read(files, e, want[e.target][1], where) for e in entries}
-    loaded_from = {e.target: e.source for e in entries}
-    report = ImportReport(
-        str(files.where), loaded_from, missing, unexpected, files.bytes_read
-    )
+        want, entries, *rest = _plan(files, mapping, targets, dtype, partial)
+        loaded = _read_all(files, entries, targets, want, shardings or {})
+    sources = {e.target: e.source for e in entries}
+    report = ImportReport(str(files.where), sources, *rest, files.bytes_read)
     return rebuild({**targets, **loaded}), report
 
 
-def _plan(files: Any, mapping: WeightMapping, want: Any, partial: bool) -> tuple:
+def _plan(files: Any, mapping: WeightMapping, targets, dtype, partial) -> tuple:
+    """Each param's shape and dtype to load, and the checked pairs."""
     where = str(files.where)
+    want = {n: (tuple(np.shape(x)), _dtype(x, dtype)) for n, x in targets.items()}
     entries, missing, unexpected = plan_import(mapping, files.header, want, where)
     if (missing or unexpected) and not partial:
         raise MappingError(
@@ -212,7 +210,7 @@ def _plan(files: Any, mapping: WeightMapping, want: Any, partial: bool) -> tuple
             f"{list(unexpected)[:8]}. Add rules, or pass partial=True to load what "
             "matches (the report lists the rest)."
         )
-    return entries, missing, unexpected
+    return want, entries, missing, unexpected
 
 
 def _dtype(x: Any, dtype: Any) -> np.dtype:
@@ -233,6 +231,11 @@ def _shardings(entries: list[Entry], targets: Any, given: Mapping) -> dict:
             own = default
         out[e.target] = given.get(e.target) or own
     return out
+
+
+def _read_all(files, entries, targets, want, shardings) -> dict[str, jax.Array]:
+    where = _shardings(entries, targets, shardings)
+    return {e.target: _read(files, e, want[e.target][1], where) for e in entries}
 
 
 def _read(files: Any, e: Entry, dtype: np.dtype, where: Mapping) -> jax.Array:
