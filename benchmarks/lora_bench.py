@@ -3,8 +3,8 @@
 
 Run: ``python benchmarks/lora_bench.py`` (``--quick``: fewer rounds; ``--width``:
 the model's width, 64 as in ``examples/char_lm.py``; ``--import-only``: the import
-figures alone). It sets 8 simulated CPU
-devices before importing jax.
+figures alone; ``--devices N``: N simulated CPU devices, set before jax is
+imported, 8 by default).
 
 * **Memory**: the example's model (char_lm's 2-block llama-like transformer) loaded
   from its Hugging Face checkpoint, fine-tuned whole (float32, Adam) or with rank-8
@@ -13,9 +13,14 @@ devices before importing jax.
   compiled step's ``memory_analysis()`` (arguments, outputs, temporaries).
   Target: the adapters' optimizer state under 5% of full fine-tuning's.
 * **Import**: `pztrain.finetune.load_pretrained` of the checkpoint onto a mesh of
-  8 devices (each param split over the first axis 8 divides), the bytes it read,
-  and its time beside ``safetensors.numpy.load_file`` of the same file (median of
-  rounds). Target: each byte read once, and at most 1.3x the plain read.
+  all devices (each param split over the first axis the device count divides;
+  one device: the default device), the bytes it read, and its time (median of
+  rounds) beside ``safetensors.numpy.load_file`` of the same file (the issue's
+  baseline: read into host memory, placed nowhere), ``load_file`` then
+  ``jax.device_put`` of each tensor as stored (the cost of placing), and
+  ``load_file``, the mapping's transforms in NumPy and ``jax.device_put`` onto
+  each param's sharding (what a hand-written loader does to get the same
+  arrays). Target: each byte read once, and at most 1.3x the plain read.
 * **Step**: steps/s of pztrain's LoRA step (`build_train_step`, adapters as params)
   over a hand-written ``jax.jit`` step of the same penzai model (adapters bound
   back into the frozen base, Adam, donation), median of rounds. Target >= 0.95.
@@ -23,11 +28,21 @@ devices before importing jax.
 
 from __future__ import annotations
 
+import argparse
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import argparse  # noqa: E402
+def _devices() -> int:
+    """``--devices N`` (default 8), read before jax is imported."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--devices", type=int, default=8)
+    return pre.parse_known_args()[0].devices
+
+
+os.environ.setdefault(
+    "XLA_FLAGS", f"--xla_force_host_platform_device_count={_devices()}"
+)
+
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -137,49 +152,113 @@ def shardings(config, mesh) -> dict[str, NamedSharding]:
     params, _ = pztrain.partition.split(
         finetune.llama_skeleton(config, name="lm"), frozen=True
     )
-    out = {}
-    for name, x in params.items():
-        axes = [i for i, n in enumerate(x.shape) if n % mesh.size == 0]
-        spec = [None] * len(x.shape)
-        if axes:
-            spec[axes[0]] = "x"
-        out[name] = NamedSharding(mesh, P(*spec))
+    return {name: split_first(x.shape, mesh) for name, x in params.items()}
+
+
+def split_first(shape, mesh) -> NamedSharding:
+    axes = [i for i, n in enumerate(shape) if n % mesh.size == 0]
+    spec = [None] * len(shape)
+    if axes:
+        spec[axes[0]] = "x"
+    return NamedSharding(mesh, P(*spec))
+
+
+def by_hand(mapping, stored) -> list[tuple[str, str, tuple]]:
+    """(stored name, param name, transforms) of each tensor: the plan a
+    hand-written loader would follow."""
+    out = []
+    for name in stored:
+        for rule in mapping.rules:
+            target = rule.to_target(name)
+            if target is not None:
+                out.append((name, target, rule.transforms))
     return out
 
 
-def import_figures(path: Path, config, rounds: int) -> dict[str, float]:
-    mesh = jax.make_mesh((8,), ("x",))
-    where, skeleton = (
-        shardings(config, mesh),
-        finetune.llama_skeleton(config, name="lm"),
-    )
+def transformed(x, transforms):
+    """A stored tensor in the param's layout, as a hand-written loader does it."""
+    for t in transforms:
+        x = t.forward(x, t.shape(x.shape))
+    return x
+
+
+def model_arrays(model) -> list:
+    """The model's param arrays, to block on."""
+    leaves = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, pz.Parameter))
+    return [x.value for x in leaves if isinstance(x, pz.Parameter)]
+
+
+def import_runs(path: Path, config) -> tuple[dict, finetune.ImportReport]:
+    """`load_pretrained` onto this process's devices (a mesh of all of them,
+    else the default device) and the baselines, each a function whose result
+    is blocked on: ``load_file`` alone (the issue's), placed as stored (each
+    tensor onto a sharding of its own shape), and by hand (the mapping's
+    transforms in NumPy, then onto the param's sharding: the same arrays as
+    `load_pretrained`'s, without the model around them)."""
+    mesh = jax.make_mesh((jax.device_count(),), ("x",))
+    where = shardings(config, mesh) if mesh.size > 1 else {}
+    skeleton = finetune.llama_skeleton(config, name="lm")
     mapping = finetune.llama_mapping(config, name="lm")
     file = str(path / "model.safetensors")
+    plan = by_hand(mapping, safetensors.numpy.load_file(file))
+    put = jax.device_put
+
+    def of_own(shape):  # a stored tensor's own sharding, as `shardings` makes
+        return split_first(shape, mesh) if mesh.size > 1 else None
 
     def ours():
-        model, report = finetune.load_pretrained(
-            path, skeleton, mapping, shardings=where
+        model, _ = finetune.load_pretrained(
+            path, skeleton, mapping, shardings=where or None
         )
-        jax.block_until_ready(pztrain.partition.split(model, frozen=True)[0])
-        return report
+        return model_arrays(model)
 
-    def plain():
-        return safetensors.numpy.load_file(file)
+    def placed():
+        tensors = safetensors.numpy.load_file(file)
+        return [put(x, of_own(x.shape)) for x in tensors.values()]
 
-    report, tensors = ours(), plain()
-    times = {"ours": [], "plain": []}
+    def hand():
+        tensors = safetensors.numpy.load_file(file)
+        return [put(transformed(tensors[s], ts), where.get(t)) for s, t, ts in plan]
+
+    _, report = finetune.load_pretrained(
+        path, skeleton, mapping, shardings=where or None
+    )
+    runs = {
+        "safetensors.numpy.load_file": lambda: safetensors.numpy.load_file(file),
+        "load_file + device_put as stored": placed,
+        "load_file + transforms + device_put": hand,
+        "load_pretrained": ours,
+    }
+    return runs, report
+
+
+def import_figures(path: Path, config, rounds: int) -> dict[str, float]:
+    """Median wall and CPU (all threads: XLA's copies too) times of each run,
+    the runs interleaved in each round."""
+    runs, report = import_runs(path, config)
+    wall = {name: [] for name in runs}
+    cpu = {name: [] for name in runs}
+    for fn in runs.values():
+        jax.block_until_ready(fn())  # warm up
     for _ in range(rounds):
-        for name, fn in (("ours", ours), ("plain", plain)):
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    ours_s, plain_s = (statistics.median(times[k]) for k in ("ours", "plain"))
+        for name, fn in runs.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            jax.block_until_ready(fn())
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    ms = {name: 1e3 * statistics.median(t) for name, t in wall.items()}
+    cpu_ms = {name: 1e3 * statistics.median(t) for name, t in cpu.items()}
+    hand = "load_file + transforms + device_put"
+    tensors = safetensors.numpy.load_file(str(path / "model.safetensors"))
     return {
         "tensor bytes in the file": sum(x.nbytes for x in tensors.values()),
         "bytes read by load_pretrained": report.bytes_read,
-        "load_pretrained onto 8 devices (ms)": 1e3 * ours_s,
-        "safetensors.numpy.load_file (ms)": 1e3 * plain_s,
-        "ratio": ours_s / plain_s,
+        **{f"{name} (ms)": t for name, t in ms.items()},
+        **{f"{name} (CPU ms)": t for name, t in cpu_ms.items()},
+        "ratio load_pretrained / load_file": (
+            ms["load_pretrained"] / ms["safetensors.numpy.load_file"]
+        ),
+        f"ratio load_pretrained / {hand}": ms["load_pretrained"] / ms[hand],
     }
 
 
@@ -229,7 +308,8 @@ def step_ratio(state: pztrain.TrainState, rounds: int, calls: int) -> float:
 
 
 def import_table(path: Path, config, rounds: int) -> None:
-    print("\nImport onto 8 devices")
+    n = jax.device_count()
+    print(f"\nImport onto {n} device{'s' * (n > 1)} (median of {rounds} rounds)")
     for k, v in import_figures(path, config, rounds).items():
         print(f"  {k}: {v:,.3f}" if isinstance(v, float) else f"  {k}: {v:,}")
 
@@ -239,6 +319,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--import-only", action="store_true", help="the import alone")
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     args = parser.parse_args()
     rounds, calls = (3, 5) if args.quick else (15, 30)
     config = config_of(args.width)

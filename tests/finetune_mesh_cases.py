@@ -63,6 +63,29 @@ def test_each_tensor_is_read_once_and_lands_sharded(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(want[name]), name)
 
 
+def test_devices_holding_one_piece_share_one_host_buffer(tmp_path):
+    """A replicated param, or a piece several devices hold, is made once and
+    adopted by each of them (XLA:CPU): its bytes are in memory once, not once
+    per device."""
+    write_llama(tmp_path)
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    specs = {
+        "transformer/block_0/mlp/out_linear.weights": P(),  # transposed
+        "transformer/embedder.embeddings": P(None, "a"),  # two halves, four each
+        "transformer/block_1/attention/query.weights": P(None, "a"),
+    }
+    shardings = {n: NamedSharding(mesh, s) for n, s in specs.items()}
+    model, _ = load_pretrained(tmp_path, abstract_llama(), MAPPING, shardings=shardings)
+    params, _ = partition.split(model, frozen=True)
+    reference, _ = load_pretrained(tmp_path, abstract_llama(), MAPPING)
+    want, _ = partition.split(reference, frozen=True)
+    for name, pieces in zip(specs, (1, 2, 2), strict=True):
+        x = params[name]
+        buffers = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+        assert len(buffers) == pieces, (name, len(buffers))
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(want[name]), name)
+
+
 # ------------------------------------------------------------ LoRA on the mesh
 
 LORA = LoraConfig(rank=2, alpha=4.0, targets=r"attention/(query|value)")

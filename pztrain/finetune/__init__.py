@@ -9,6 +9,7 @@ are the params (DESIGN.md, contract 10).
 * `pztrain.finetune._mapping`: `Rule`, `WeightMapping`, the checks of a plan;
 * `pztrain.finetune._hf`: the files of Hugging Face's layout, sliced reads;
 * `pztrain.finetune._load`: `load_pretrained` and its `ImportReport`;
+* `pztrain.finetune._place`: what is read, onto its devices in one copy;
 * `pztrain.finetune._export`: `export_pretrained`, the mapping backwards;
 * `pztrain.finetune._llama`: the mapping for penzai's Llama-style transformer;
 * `pztrain.finetune._lora`, `pztrain.finetune._lora_layers`: low-rank adapters;

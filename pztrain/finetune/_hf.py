@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,8 @@ def safetensors_module() -> Any:
 
 class CheckpointFiles:
     """The tensors of a checkpoint: for each name its shape, dtype and file.
+    Each file is opened once, for its header and its reads, until `close` (or
+    the end of a ``with`` block).
 
     Attributes:
       where: The path given (a directory, a ``.safetensors`` file or an index).
@@ -65,42 +67,57 @@ class CheckpointFiles:
       bytes_read: bytes of tensor data read so far through `read`.
     """
 
-    def __init__(self, where: Path, files: Mapping[str, Path]) -> None:
-        self.where, self.files, self.bytes_read = where, dict(files), 0
-        self._open: dict[Path, Any] = {}
-        safe_open = safetensors_module().safe_open
+    def __init__(
+        self,
+        where: Path,
+        shards: Sequence[Path],
+        weight_map: Mapping[str, Path] | None = None,
+    ) -> None:
+        self.where, self.files, self.bytes_read = where, {}, 0
         self.header: dict[str, tuple[tuple[int, ...], str]] = {}
-        for path in dict.fromkeys(self.files.values()):
-            with safe_open(str(path), framework="numpy") as f:
-                for name in f.keys():
-                    if self.files.get(name, path) != path:
-                        continue  # the index says another shard holds it
-                    s = f.get_slice(name)
-                    dtype = _DTYPES.get(s.get_dtype(), s.get_dtype().lower())
-                    self.header[name] = (tuple(s.get_shape()), dtype)
-                    self.files[name] = path
-        absent = [n for n in self.files if n not in self.header]
+        self._open: dict[Path, Any] = {}
+        try:
+            for path in shards:
+                self._scan(path, weight_map or {})
+        except BaseException:
+            self.close()
+            raise
+        absent = [n for n in weight_map or () if n not in self.header]
         if absent:
+            self.close()
             raise ValueError(
                 f"{where}: the index names tensors its shards lack: {absent[:5]}."
             )
 
+    def _scan(self, path: Path, weight_map: Mapping[str, Path]) -> None:
+        f = safetensors_module().safe_open(str(path), framework="numpy")
+        f = self._open[path] = f.__enter__()
+        for name in f.keys():
+            if weight_map.get(name, path) != path:
+                continue  # the index says another shard holds it
+            s = f.get_slice(name)
+            dtype = _DTYPES.get(s.get_dtype(), s.get_dtype().lower())
+            self.header[name] = (tuple(s.get_shape()), dtype)
+            self.files[name] = path
+
     def read(self, name: str, box: tuple[tuple[int, int], ...]) -> np.ndarray:
         """The ``box`` of tensor ``name``: only those bytes are read."""
-        file = self.files[name]
-        if file not in self._open:
-            opened = safetensors_module().safe_open(str(file), framework="numpy")
-            self._open[file] = opened.__enter__()
-        s = self._open[file].get_slice(name)
+        s = self._open[self.files[name]].get_slice(name)
         x = np.asarray(s[tuple(slice(a, b) for a, b in box)] if box else s[...])
         self.bytes_read += x.nbytes
         return x
 
     def close(self) -> None:
-        """Closes the files `read` opened."""
+        """Closes the files."""
         for f in self._open.values():
             f.__exit__(None, None, None)
         self._open = {}
+
+    def __enter__(self) -> CheckpointFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def checkpoint_files(path: str | os.PathLike) -> CheckpointFiles:
@@ -129,10 +146,7 @@ def checkpoint_files(path: str | os.PathLike) -> CheckpointFiles:
 
 
 def _single(file: Path, where: Path) -> CheckpointFiles:
-    safe_open = safetensors_module().safe_open
-    with safe_open(str(file), framework="numpy") as f:
-        names = list(f.keys())
-    return CheckpointFiles(where, dict.fromkeys(names, file))
+    return CheckpointFiles(where, [file])
 
 
 def _indexed(index: Path) -> CheckpointFiles:
@@ -149,7 +163,7 @@ def _indexed(index: Path) -> CheckpointFiles:
                 f"{index} maps {name!r} to the shard {file.name}, which is missing "
                 f"from {index.parent}. Download every shard the index names."
             )
-    return CheckpointFiles(index, files)
+    return CheckpointFiles(index, list(dict.fromkeys(files.values())), files)
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:

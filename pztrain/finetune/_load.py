@@ -18,6 +18,7 @@ from pztrain._table import text_table
 from pztrain._tree import is_array_like, is_float_array, named_leaves
 from pztrain.finetune._hf import checkpoint_files
 from pztrain.finetune._mapping import Entry, MappingError, WeightMapping, plan_import
+from pztrain.finetune._place import box_of, place
 from pztrain.finetune._transforms import read_plan, to_target
 
 __all__ = ["ImportReport", "load_pretrained", "model_params", "penzai_skeleton"]
@@ -98,7 +99,7 @@ def _frozen_penzai_params(like: Any) -> tuple[dict[str, Any], Callable] | None:
     values = [x for x in leaves if is_var(x)]
     if not values or any(isinstance(x, pz_vars.AbstractVariable) for x in values):
         return None
-    named, value_defs = {}, {}
+    named, value_defs, slots = {}, {}, [x.get_slot() for x in values]
     for x in values:
         if isinstance(x, pz_vars.ParameterValue) and x.metadata.get("trainable", True):
             arrays, value_def = jax.tree.flatten(x.value)
@@ -107,21 +108,24 @@ def _frozen_penzai_params(like: Any) -> tuple[dict[str, Any], Callable] | None:
                 return None  # split names several arrays, or refuses a conflict
             if is_float_array(arrays[0]):
                 named[label], value_defs[label] = arrays[0], value_def
+    where = [i for i, x in enumerate(leaves) if is_var(x)]
 
     def rebuild(new: dict[str, Any]) -> Any:
         made: dict[Any, Any] = {}  # one variable per slot: shared ones stay shared
-        for x in values:
-            slot = x.get_slot()
+        for x, slot in zip(values, slots, strict=True):
             if slot in made:
                 continue
             label = str(x.label) if isinstance(x, pz_vars.ParameterValue) else None
-            if label in value_defs:
+            if label in value_defs:  # the unfrozen copy with its new value
                 value = value_defs[label].unflatten([new[label]])
-                x = dataclasses.replace(x, value=value)
-            made[slot] = x.unfreeze_as_copy()
-        return treedef.unflatten(
-            [made[x.get_slot()] if is_var(x) else x for x in leaves]
-        )
+                x = pz_vars.Parameter(value=value, label=x.label, metadata=x.metadata)
+                made[slot] = x
+            else:
+                made[slot] = x.unfreeze_as_copy()
+        out = list(leaves)
+        for i, slot in zip(where, slots, strict=True):
+            out[i] = made[slot]
+        return treedef.unflatten(out)
 
     return named, rebuild
 
@@ -146,8 +150,8 @@ def load_pretrained(
     """Reads a checkpoint in Hugging Face's layout into a model like ``like``.
 
     Every name, shape and dtype is checked against ``mapping`` before any tensor
-    is read. Each array goes onto its sharding; each process reads (sliced reads)
-    only the box of each tensor its devices hold, once (``pztrain[safetensors]``).
+    is read. Each process reads (sliced reads, ``pztrain[safetensors]``) only the
+    box of each tensor its devices hold, once, and copies it once onto them.
 
     Args:
       path: A directory holding ``model.safetensors`` or shards and
@@ -185,30 +189,19 @@ def load_pretrained(
       Array([[0, 2, 4],
              [1, 3, 5]], dtype=bfloat16)
     """
-    files, (targets, rebuild) = checkpoint_files(path), model_params(like)
-    want = {n: (tuple(np.shape(x)), _dtype(x, dtype)) for n, x in targets.items()}
-    entries, missing, unexpected = _plan(files, mapping, want, partial)
-    loaded = _read_all(files, entries, targets, want, shardings or {})
-    loaded_from = {e.target: e.source for e in entries}
-    report = ImportReport(
-        str(files.where), loaded_from, missing, unexpected, files.bytes_read
-    )
+    with checkpoint_files(path) as files:
+        targets, rebuild = model_params(like)
+        want, entries, *rest = _plan(files, mapping, targets, dtype, partial)
+        loaded = _read_all(files, entries, targets, want, shardings or {})
+    sources = {e.target: e.source for e in entries}
+    report = ImportReport(str(files.where), sources, *rest, files.bytes_read)
     return rebuild({**targets, **loaded}), report
 
 
-def _read_all(files, entries, targets, want, shardings) -> dict[str, jax.Array]:
-    loaded = {}
-    try:
-        for e in entries:
-            sharding = shardings.get(e.target) or _sharding_of(targets[e.target])
-            loaded[e.target] = _read(files, e, want[e.target][1], sharding)
-    finally:
-        files.close()
-    return loaded
-
-
-def _plan(files: Any, mapping: WeightMapping, want: Any, partial: bool) -> tuple:
+def _plan(files: Any, mapping: WeightMapping, targets, dtype, partial) -> tuple:
+    """Each param's shape and dtype to load, and the checked pairs."""
     where = str(files.where)
+    want = {n: (tuple(np.shape(x)), _dtype(x, dtype)) for n, x in targets.items()}
     entries, missing, unexpected = plan_import(mapping, files.header, want, where)
     if (missing or unexpected) and not partial:
         raise MappingError(
@@ -217,7 +210,7 @@ def _plan(files: Any, mapping: WeightMapping, want: Any, partial: bool) -> tuple
             f"{list(unexpected)[:8]}. Add rules, or pass partial=True to load what "
             "matches (the report lists the rest)."
         )
-    return entries, missing, unexpected
+    return want, entries, missing, unexpected
 
 
 def _dtype(x: Any, dtype: Any) -> np.dtype:
@@ -227,41 +220,30 @@ def _dtype(x: Any, dtype: Any) -> np.dtype:
     return own
 
 
-def _sharding_of(x: Any) -> jax.sharding.Sharding:
-    sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, jax.sharding.Sharding):
-        return sharding
-    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+def _shardings(entries: list[Entry], targets: Any, given: Mapping) -> dict:
+    """Each loaded param's sharding: given, else its array's, else the default
+    device's (one object for all: JAX caches by sharding)."""
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    out = {}
+    for e in entries:
+        own = getattr(targets[e.target], "sharding", None)
+        if not isinstance(own, jax.sharding.Sharding):
+            own = default
+        out[e.target] = given.get(e.target) or own
+    return out
 
 
-def _read(files: Any, e: Entry, dtype: np.dtype, sharding: Any) -> jax.Array:
+def _read_all(files, entries, targets, want, shardings) -> dict[str, jax.Array]:
+    where = _shardings(entries, targets, shardings)
+    return {e.target: _read(files, e, want[e.target][1], where) for e in entries}
+
+
+def _read(files: Any, e: Entry, dtype: np.dtype, where: Mapping) -> jax.Array:
     """One param: the box its addressable devices hold, read once, on them."""
-    shape = e.shapes[-1]
-    indices = sharding.addressable_devices_indices_map(shape)
-    box = _bounding_box(shape, indices.values())
-    boxes, got = read_plan(e.transforms, e.shapes, box)
+    shape, sharding = e.shapes[-1], where[e.target]
+    boxes, got = read_plan(e.transforms, e.shapes, box_of(sharding, shape))
     region = to_target(e.transforms, files.read(e.source, boxes[0]), boxes)
-    region = np.asarray(region).astype(dtype, copy=False)
-
-    def part(index: tuple[slice, ...]) -> np.ndarray:
-        rel = tuple(
-            slice(s.indices(n)[0] - lo, s.indices(n)[1] - lo)
-            for s, n, (lo, _) in zip(index, shape, got, strict=True)
-        )
-        return region[rel]
-
-    return jax.make_array_from_callback(shape, sharding, part)
-
-
-def _bounding_box(shape: tuple[int, ...], indices: Any) -> tuple[tuple[int, int], ...]:
-    starts, stops = list(shape), [0] * len(shape)
-    for index in indices:
-        for a, (s, n) in enumerate(zip(index, shape, strict=True)):
-            lo, hi, _ = s.indices(n)
-            starts[a], stops[a] = min(starts[a], lo), max(stops[a], hi)
-    return tuple(
-        (lo, hi) if hi > lo else (0, 0) for lo, hi in zip(starts, stops, strict=True)
-    )
+    return place(region, got, shape, sharding, dtype)
 
 
 def penzai_skeleton(build: Callable[[Any], Any]) -> Any:
