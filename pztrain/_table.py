@@ -116,6 +116,4 @@ def html_table(
 # wraps at its <wbr>s, inside a word only if it must, never under 16 characters:
 # "anywhere" (not "break-word") lets a table's layout narrow the column below its
 # longest word (InjectStatefulHyperparamsState), so the table fits the page
-_WRAP_TD = (
-    '<td style="white-space: normal; overflow-wrap: anywhere; min-width: 16ch">'
-)
+_WRAP_TD = '<td style="white-space: normal; overflow-wrap: anywhere; min-width: 16ch">'
