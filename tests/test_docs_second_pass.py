@@ -57,3 +57,10 @@ def test_notebook_10_shows_its_digit_strip_large_enough_to_read():
     notebook = GUIDES.parents[1] / "notebooks" / "10_evaluations.ipynb"
     source = notebook.read_text()
     assert "IPython.display.Image(filename=strips[-1], width=12 * 8 * 6)" in source
+
+
+def test_the_fit_guide_shows_its_confusion_image_large_enough_to_read():
+    """The logged figure is 3 x 3 inches at 50 dpi (150 px): its tick labels
+    were about 6 px tall on the page."""
+    page = (GUIDES / "fit.md").read_text()
+    assert "IPython.display.Image(filename=matrix, width=300)" in page
