@@ -94,7 +94,7 @@ def html_table(
 
     Example:
       >>> table = html_table(["part", "contents"], [["opt", "Adam(A, B)"]], "contents")
-      >>> table.count("overflow-wrap: break-word"), "Adam(<wbr>A,<wbr> B)" in table
+      >>> table.count("overflow-wrap: anywhere"), "Adam(<wbr>A,<wbr> B)" in table
       (1, True)
     """
     wrap_at = list(header).index(wrap) if wrap is not None else None
@@ -113,7 +113,7 @@ def html_table(
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-# wraps at its <wbr>s (inside a word only if it must), never under 16 characters
-_WRAP_TD = (
-    '<td style="white-space: normal; overflow-wrap: break-word; min-width: 16ch">'
-)
+# wraps at its <wbr>s, inside a word only if it must, never under 16 characters:
+# "anywhere" (not "break-word") lets a table's layout narrow the column below its
+# longest word (InjectStatefulHyperparamsState), so the table fits the page
+_WRAP_TD = '<td style="white-space: normal; overflow-wrap: anywhere; min-width: 16ch">'

@@ -75,6 +75,33 @@ def test_the_site_builds(tmp_path, env):
     assert "treescope" in summary  # treescope's interactive HTML is on the page
     _the_reference_links(out)
     _pages_show_what_they_say(out)
+    assert not long_output_lines(out), long_output_lines(out)
+
+
+# The pages issue 41 read at 1280 px: no line of their outputs is cut there.
+READ_AT_1280 = [
+    *(f"guides/{g}" for g in ["quickstart", "fit", "checkpoints", "populations"]),
+    *(f"guides/{g}" for g in ["data", "finetuning"]),
+    *(f"notebooks/{n}" for n in ["09_populations", "10_evaluations", "11_finetuning"]),
+]
+_OUTPUT_TEXT = re.compile(
+    r'<div class="output [^"]*">\s*<div class="highlight"><pre>(.*?)</pre>', re.S
+)
+
+
+def long_output_lines(out: Path, pages=READ_AT_1280, width: int = 100) -> list[str]:
+    """The lines of the pages' text outputs wider than ``width`` characters: at
+    1280 px an output shows 100 (docs/_static/wide.css), a longer line is cut
+    at the article's edge, behind a scrollbar."""
+    long = []
+    for page in pages:
+        html = (out / f"{page}.html").read_text()
+        for block in _OUTPUT_TEXT.findall(html):
+            text = unescape(re.sub(r"<[^>]+>", "", block))
+            long += [
+                f"{page}: {line}" for line in text.splitlines() if len(line) > width
+            ]
+    return long
 
 
 def _pages_show_what_they_say(out: Path) -> None:

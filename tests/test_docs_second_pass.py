@@ -49,3 +49,18 @@ def test_the_dropout_example_does_not_reuse_the_learning_rates():
     page = (GUIDES / "populations.md").read_text()
     assert 'loss_fn_state={"rate": jnp.asarray(rates)}' not in page
     assert 'loss_fn_state={"dropout": jnp.asarray([0.0, 0.1, 0.2, 0.3])}' in page
+
+
+def test_notebook_10_shows_its_digit_strip_large_enough_to_read():
+    """The logged strip is 12 digits of 8 x 8 pixels (96 x 8 px): shown at its
+    own size it was a thin line on the page."""
+    notebook = GUIDES.parents[1] / "notebooks" / "10_evaluations.ipynb"
+    source = notebook.read_text()
+    assert "IPython.display.Image(filename=strips[-1], width=12 * 8 * 6)" in source
+
+
+def test_the_fit_guide_shows_its_confusion_image_large_enough_to_read():
+    """The logged figure is 3 x 3 inches at 50 dpi (150 px): its tick labels
+    were about 6 px tall on the page."""
+    page = (GUIDES / "fit.md").read_text()
+    assert "IPython.display.Image(filename=matrix, width=300)" in page

@@ -248,7 +248,11 @@ def test_html_has_tables_and_escapes():
 
 def test_html_breaks_lines_as_the_text_does_and_wraps_its_long_columns():
     """A population's title is two lines in HTML too; the contents and name
-    columns may break after a separator and wrap instead of being cut."""
+    columns may break after a separator and wrap instead of being cut, inside
+    a word when they must: ``overflow-wrap: anywhere``, since ``break-word``
+    leaves a table cell at least as wide as its longest word
+    (``InjectStatefulHyperparamsState(``): the table could not narrow to the
+    page."""
 
     def init(seed):
         tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
@@ -261,7 +265,7 @@ def test_html_breaks_lines_as_the_text_does_and_wraps_its_long_columns():
     assert f"<p>{first}<br>{second}</p>" in page
     wrapping = re.findall(r'<td style="([^"]*)">([^<]*(?:<wbr>[^<]*)*)</td>', page)
     assert len(wrapping) == 1 + 4  # the one array's name, each part's contents
-    assert all("overflow-wrap: break-word" in style for style, _ in wrapping)
+    assert all("overflow-wrap: anywhere" in style for style, _ in wrapping)
     cells = {text.replace("<wbr>", "") for _, text in wrapping}
     assert "encoder/block_0/attention.weights" in cells
     assert "encoder/<wbr>block_0/<wbr>attention.<wbr>weights" in page
