@@ -199,7 +199,10 @@ CHECKS: dict[str, list[tuple[str, str]]] = {
             'w = state.params["mlp/Affine_1/Linear.weights"]\n'
             "np.testing.assert_array_equal(w, head)",
         ),
-        ("print(found.line())", 'assert "mlp/Affine_1/Linear.weights" in found.line()'),
+        (
+            "print(textwrap.fill(found.line(), 88))",
+            'assert "mlp/Affine_1/Linear.weights" in found.line()',
+        ),
     ],
     "finetuning.md": [
         (
