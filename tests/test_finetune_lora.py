@@ -77,6 +77,29 @@ def test_the_adapters_are_the_params_and_the_base_stays_frozen(llama):
     assert n_opt == 2 * n_params + 1  # two moments of the adapters, a count
 
 
+@pytest.mark.slow  # compiles a step
+def test_a_lora_run_on_one_device_compiles_its_step_once(llama):
+    """A base read onto the default device is uncommitted, as the adapters are:
+    a state mixing committed and uncommitted arrays compiled its step again at
+    the second call (the first call's outputs are committed)."""
+    state = lora_state(llama[0])
+    assert not any(x.committed for x in jax.tree.leaves(state))
+    compiles = []
+
+    def listen(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        step = pztrain.build_train_step(lm_loss)
+        for _ in range(3):
+            state, _ = step(state, tokens=TOKENS)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len(compiles) == 1, compiles
+
+
 @pytest.mark.slow  # compiles and trains for seconds
 def test_a_fresh_adapter_leaves_the_outputs_and_trains_the_loss_down(llama):
     state = lora_state(llama[0], dtype=jnp.float32)

@@ -18,7 +18,7 @@ from pztrain._table import text_table
 from pztrain._tree import is_array_like, is_float_array, named_leaves
 from pztrain.finetune._hf import checkpoint_files
 from pztrain.finetune._mapping import Entry, MappingError, WeightMapping, plan_import
-from pztrain.finetune._place import box_of, place
+from pztrain.finetune._place import box_of, device_layout, place
 from pztrain.finetune._transforms import read_plan, to_target
 
 __all__ = ["ImportReport", "load_pretrained", "model_params", "penzai_skeleton"]
@@ -221,14 +221,15 @@ def _dtype(x: Any, dtype: Any) -> np.dtype:
 
 
 def _shardings(entries: list[Entry], targets: Any, given: Mapping) -> dict:
-    """Each loaded param's sharding: given, else its array's, else the default
-    device's (one object for all: JAX caches by sharding)."""
-    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    """Each loaded param's sharding: given, else its array's, else ``None``
+    (the default device, uncommitted, as any new array: a state mixing
+    committed and uncommitted arrays compiles its step twice, the first call's
+    outputs being committed)."""
     out = {}
     for e in entries:
         own = getattr(targets[e.target], "sharding", None)
         if not isinstance(own, jax.sharding.Sharding):
-            own = default
+            own = None
         out[e.target] = given.get(e.target) or own
     return out
 
@@ -241,8 +242,12 @@ def _read_all(files, entries, targets, want, shardings) -> dict[str, jax.Array]:
 def _read(files: Any, e: Entry, dtype: np.dtype, where: Mapping) -> jax.Array:
     """One param: the box its addressable devices hold, read once, on them."""
     shape, sharding = e.shapes[-1], where[e.target]
-    boxes, got = read_plan(e.transforms, e.shapes, box_of(sharding, shape))
+    whole = tuple((0, n) for n in shape)
+    box = whole if sharding is None else box_of(sharding, shape)
+    boxes, got = read_plan(e.transforms, e.shapes, box)
     region = to_target(e.transforms, files.read(e.source, boxes[0]), boxes)
+    if sharding is None:  # the default device, uncommitted
+        return jax.device_put(device_layout(region, dtype))
     return place(region, got, shape, sharding, dtype)
 
 
